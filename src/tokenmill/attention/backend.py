@@ -1,0 +1,41 @@
+"""Attention backends: swappable implementations of packed, variable-length, paged attention."""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.attention.context import AttentionMetadata, KVCacheLayer, get_forward_context
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """The static facts of one attention layer that a backend needs."""
+
+    layer_idx: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None  # a query attends to at most this many most recent keys, itself included
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        kv_cache: KVCacheLayer | None,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write the new K/V into ``kv_cache`` (when given) and attend causally over each sequence."""
+
+
+def attention(layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The call model code makes: dispatches to the backend and KV cache of the current forward context."""
+    ctx = get_forward_context()
+    kv_cache = ctx.kv_caches[layer.layer_idx] if ctx.kv_caches is not None else None
+    return ctx.backend.forward(layer, query, key, value, ctx.metadata, kv_cache)

@@ -1,0 +1,86 @@
+"""Per-step attention metadata and the global forward context that carries it to model code."""
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tokenmill.attention.backend import AttentionBackend
+
+
+@dataclass(frozen=True)
+class KVCacheLayer:
+    """One layer's KV pool: ``key`` and ``value`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    A contiguous per-sequence cache is the special case of one block of ``max_model_len`` slots per sequence.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.key.shape[1]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Describes the packed tokens of one forward pass: ``B`` sequences, ``T`` new tokens in all.
+
+    The new tokens of sequence ``b`` are rows ``query_start_loc[b]:query_start_loc[b+1]`` of the packed
+    input; they are the last ``query_len`` of its ``seq_lens[b]`` tokens, the earlier ones being context
+    already in the KV cache.
+    """
+
+    query_start_loc: torch.Tensor  # int32 [B + 1], cumulative new-token counts
+    seq_lens: torch.Tensor  # int32 [B], context + new tokens
+    max_query_len: int  # host-side maxima, so kernels need no device sync to size their grids
+    max_seq_len: int
+    slot_mapping: torch.Tensor | None = None  # int64 [T]: flat KV slot for each new token; -1 skips
+    block_tables: torch.Tensor | None = None  # int32 [B, max_blocks]: KV block ids of each sequence
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def uses_kv_cache(self) -> bool:
+        return self.slot_mapping is not None
+
+    @classmethod
+    def for_prefill(cls, query_lens: Sequence[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Whole sequences with no cache: each sequence's tokens attend only to themselves."""
+        lens = torch.tensor(list(query_lens), dtype=torch.int32, device=device)
+        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32, device=device)
+        starts[1:] = torch.cumsum(lens, 0)
+        longest = max(query_lens)
+        return cls(query_start_loc=starts, seq_lens=lens, max_query_len=longest, max_seq_len=longest)
+
+
+@dataclass
+class ForwardContext:
+    metadata: AttentionMetadata
+    backend: "AttentionBackend"
+    kv_caches: Sequence[KVCacheLayer] | None = None  # indexed by layer; None recomputes everything
+
+
+_current: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("the model was called outside forward_context(); the engine sets one per step")
+    return _current
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous

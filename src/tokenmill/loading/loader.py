@@ -1,0 +1,121 @@
+"""``load_model``: one entry point for every weight source, producing the same model object."""
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenmill.errors import ModelLoadError
+from tokenmill.loading.checkpoint import Checkpoint
+from tokenmill.loading.dummy import init_dummy_weights
+from tokenmill.loading.source import DummySource, resolve_source
+from tokenmill.models import CausalLM, ModelConfig, resolve_architecture
+from tokenmill.models.base import WeightLoadingError
+
+if TYPE_CHECKING:
+    from tokenmill.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: "Tokenizer | None"
+    eos_token_ids: tuple[int, ...]
+    source: str
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float
+
+
+def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype '{dtype}' is not one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "auto",
+    load_format: str = "auto",
+    max_model_len: int | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Load ``model`` (None: the embedded default; a folder, .gguf file, hub id, or with
+    ``load_format="dummy"`` a preset name or config.json) onto ``device`` in ``dtype``."""
+    start = time.perf_counter()
+    device = torch.device(device)
+    torch_dtype = parse_dtype(dtype, device)
+    source = resolve_source(model, load_format)
+    if isinstance(source, DummySource):
+        config = config_from_hf(source.config, source.name)
+        net = build_model(config, device, torch_dtype, max_model_len)
+        init_dummy_weights(net, seed)
+        tokenizer, extra_eos, name = None, (), f"dummy:{source.name}"
+    else:
+        config = config_from_hf(source.hf_config(), str(source.path))
+        net = build_model(config, device, torch_dtype, max_model_len)
+        load_checkpoint_weights(net, source)
+        tokenizer, extra_eos, name = source.tokenizer(), source.eos_token_ids(), str(source.path)
+    eos = tuple(dict.fromkeys(config.eos_token_ids + extra_eos))
+    return LoadedModel(net.eval(), config, tokenizer, eos, name, device, torch_dtype, time.perf_counter() - start)
+
+
+def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
+    architectures = raw.get("architectures")
+    if isinstance(architectures, list) and architectures:
+        name = str(architectures[0])
+    elif raw.get("model_type") in _MODEL_TYPE_ARCHITECTURES:
+        name = _MODEL_TYPE_ARCHITECTURES[str(raw["model_type"])]
+    else:
+        raise ModelLoadError(f"{source}: config has neither 'architectures' nor a known 'model_type'")
+    return resolve_architecture(name, source).config_from_hf(raw, source)
+
+
+@contextmanager
+def _creating_tensors(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int | None = None
+) -> CausalLM:
+    """Allocate the model directly on ``device`` in ``dtype``, parameters uninitialized."""
+    cls = resolve_architecture(config.architecture, "config")
+    with _creating_tensors(device, dtype):
+        return cls(config, max_positions=max_model_len)  # type: ignore[call-arg]
+
+
+def load_checkpoint_weights(model: CausalLM, checkpoint: Checkpoint) -> None:
+    """Stream tensors into the allocated parameters; each one is converted and copied, then dropped."""
+    try:
+        with torch.no_grad():
+            model.load_weights(checkpoint.weights())
+    except WeightLoadingError as exc:
+        raise ModelLoadError(f"{checkpoint.current_file}: {exc}") from None

@@ -1,0 +1,86 @@
+"""What every architecture provides: config parsing, a packed forward pass, logits, and weight loading."""
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.layers.linear import ShardId, weight_loader_of
+
+
+class WeightLoadingError(ValueError):
+    """A checkpoint tensor does not fit the model; the loader adds the file name."""
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only language model over packed tokens.
+
+    ``forward(input_ids, positions)`` takes the ``[T]`` new tokens of every sequence in the step, packed
+    together, and returns their ``[T, hidden]`` states; attention finds the sequence boundaries and KV
+    cache in the forward context. ``compute_logits`` is applied only to the rows that need logits.
+    """
+
+    # Checkpoint-name fragment → (fused parameter fragment, shard id), for projections fused here.
+    stacked_params: ClassVar[tuple[tuple[str, str, ShardId], ...]] = ()
+    # Checkpoint tensors that carry nothing the model needs (regexes).
+    ignored_weights: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$",)
+    lm_head: nn.Module
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    @classmethod
+    @abstractmethod
+    def config_from_hf(cls, raw: dict[str, Any], source: str) -> ModelConfig:
+        """Translate a Hugging Face ``config.json`` dict; ``source`` names it in errors."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits
+
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """Hook to rename or re-layout a checkpoint tensor before loading (identity by default)."""
+        return name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, one at a time; every parameter must be filled exactly once."""
+        params = dict(self.named_parameters())
+        pending = {name: self._expected_shards(name) for name in params}
+        for raw_name, raw_tensor in weights:
+            name, tensor = self.checkpoint_tensor(raw_name, raw_tensor)
+            if self._ignored(name):
+                continue
+            target, shard_id = self._target_of(name)
+            if target not in params:
+                raise WeightLoadingError(f"tensor '{raw_name}' has no place in {type(self).__name__}")
+            try:
+                weight_loader_of(params[target])(params[target], tensor, shard_id)
+            except ValueError as exc:
+                raise WeightLoadingError(f"tensor '{raw_name}' {exc}") from None
+            pending[target].discard(shard_id) if shard_id is not None else pending[target].clear()
+        missing = sorted(name for name, shards in pending.items() if shards)
+        if missing:
+            raise WeightLoadingError(f"the checkpoint lacks tensors for: {', '.join(missing[:8])}")
+
+    def _ignored(self, name: str) -> bool:
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return True
+        return any(re.search(pattern, name) for pattern in self.ignored_weights)
+
+    def _target_of(self, name: str) -> tuple[str, ShardId]:
+        for checkpoint_part, param_part, shard_id in self.stacked_params:
+            if f".{checkpoint_part}." in name:
+                return name.replace(f".{checkpoint_part}.", f".{param_part}."), shard_id
+        return name, None
+
+    def _expected_shards(self, param_name: str) -> set[Any]:
+        shards = {shard for _, part, shard in self.stacked_params if f".{part}." in param_name}
+        return shards or {None}

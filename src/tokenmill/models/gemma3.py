@@ -1,0 +1,178 @@
+"""Gemma 3 (text): Llama-like blocks with these differences, each visible below:
+
+- embeddings scaled by ``sqrt(hidden_size)``; RMSNorm scales by ``1 + w``; GeGLU (GELU-tanh) MLP;
+- norms before *and after* attention and the MLP (four per block), plus RMSNorm on each q and k head;
+- softmax scale ``query_pre_attn_scalar ** -0.5``;
+- sliding-window layers (window 512 on the small models) interleaved with global ones, five to one,
+  the local layers using their own rope base (10k) and the global ones 1M (optionally scaled).
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.attention import AttentionLayer
+from tokenmill.errors import ModelLoadError
+from tokenmill.models.base import CausalLM
+from tokenmill.models.config import ConfigReader, ModelConfig
+from tokenmill.models.layers import (
+    Attention,
+    GeluTanhAndMul,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from tokenmill.models.layers.linear import ShardId
+from tokenmill.models.llama import GatedMLP, local_heads
+
+
+def gemma3_layer_is_sliding(reader: ConfigReader, num_layers: int) -> list[bool]:
+    types = reader.layer_types(num_layers)
+    if types is not None:
+        return [t == "sliding_attention" for t in types]
+    pattern = reader.int_or("sliding_window_pattern", reader.int_or("_sliding_window_pattern", 6))
+    return [(i + 1) % pattern != 0 for i in range(num_layers)]
+
+
+def parse_gemma3_config(raw: dict[str, Any], source: str) -> ModelConfig:
+    r = ConfigReader(raw, source)
+    if r.has("attn_logit_softcapping"):
+        raise r.error("attention logit soft-capping (Gemma 2) is not supported")
+    layers = r.require_int("num_hidden_layers")
+    window = r.int_or("sliding_window", 4096)
+    sliding = gemma3_layer_is_sliding(r, layers)
+    return ModelConfig(
+        architecture="Gemma3ForCausalLM",
+        vocab_size=r.require_int("vocab_size"),
+        hidden_size=r.require_int("hidden_size"),
+        intermediate_size=r.require_int("intermediate_size"),
+        num_layers=layers,
+        num_heads=r.require_int("num_attention_heads"),
+        num_kv_heads=r.require_int("num_key_value_heads"),
+        head_dim=r.int_or("head_dim", 256),
+        max_position_embeddings=r.int_or("max_position_embeddings", 131072),
+        norm_eps=r.float_or("rms_norm_eps", 1e-6),
+        hidden_act=r.str_or("hidden_activation", "gelu_pytorch_tanh"),
+        tie_word_embeddings=r.bool_or("tie_word_embeddings", True),
+        rope=r.rope("full_attention"),
+        local_rope=r.rope("sliding_attention", theta_key="rope_local_base_freq"),
+        attention_scale=r.float_or("query_pre_attn_scalar", 256) ** -0.5,
+        sliding_windows=tuple(window if s else None for s in sliding),
+        qkv_bias=r.bool_or("attention_bias", False),
+        output_bias=r.bool_or("attention_bias", False),
+        bos_token_id=r.int_or("bos_token_id", 2),
+        eos_token_ids=r.token_ids("eos_token_id"),
+        raw=raw,
+    )
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        num_heads, num_kv_heads = local_heads(config)
+        self.q_size, self.kv_size = num_heads * config.head_dim, num_kv_heads * config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, config.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, config.output_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps, unit_offset=True)
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps, unit_offset=True)
+        self.rotary_emb = rotary
+        self.attn = Attention(
+            AttentionLayer(
+                layer_idx=layer_idx,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=config.head_dim,
+                scale=config.attention_scale,
+                sliding_window=config.sliding_windows[layer_idx],
+            )
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        head_dim = self.attn.spec.head_dim
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(q.shape[0], -1, head_dim))
+        k = self.k_norm(k.reshape(k.shape[0], -1, head_dim))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        dim, eps = config.hidden_size, config.norm_eps
+        self.self_attn = Gemma3Attention(config, layer_idx, rotary)
+        self.mlp = GatedMLP(dim, config.intermediate_size, False, GeluTanhAndMul())
+        self.input_layernorm = RMSNorm(dim, eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(dim, eps, unit_offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
+        self.post_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attn_out)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp_out)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        assert config.rope is not None and config.local_rope is not None
+        global_rope = RotaryEmbedding(config.head_dim, max_positions, config.rope)
+        local_rope = RotaryEmbedding(config.head_dim, max_positions, config.local_rope)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, local_rope if config.sliding_windows[i] else global_rope)
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, unit_offset=True)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # The scale is rounded to the model dtype first, as in the reference implementation.
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        out: torch.Tensor = self.norm(hidden)
+        return out
+
+
+class Gemma3ForCausalLM(CausalLM):
+    stacked_params: tuple[tuple[str, str, ShardId], ...] = (
+        ("q_proj", "qkv_proj", "q"),
+        ("k_proj", "qkv_proj", "k"),
+        ("v_proj", "qkv_proj", "v"),
+        ("gate_proj", "gate_up_proj", 0),
+        ("up_proj", "gate_up_proj", 1),
+    )
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__(config)
+        self.model = Gemma3Model(config, max_positions or config.max_position_embeddings)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if not config.tie_word_embeddings:
+            raise ModelLoadError("Gemma 3 checkpoints tie the LM head to the embeddings; this one does not")
+        self.lm_head.weight = self.model.embed_tokens.weight
+        self.final_logit_softcapping = ConfigReader(config.raw, "").float_or("final_logit_softcapping", 0.0)
+
+    @classmethod
+    def config_from_hf(cls, raw: dict[str, Any], source: str) -> ModelConfig:
+        return parse_gemma3_config(raw, source)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden: torch.Tensor = self.model(input_ids, positions)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,41 @@
+"""Token embeddings and the LM head, split over the vocabulary across tensor-parallel ranks."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed import all_gather_last_dim, all_reduce_sum, divide, tp_rank, tp_world_size
+from tokenmill.models.layers.linear import ShardId
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        super().__init__()
+        self.tp_size = tp_world_size()
+        self.vocab_size = vocab_size
+        self.local_vocab = divide(vocab_size, self.tp_size, "vocabulary size")
+        self.vocab_start = tp_rank() * self.local_vocab
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
+            raise ValueError(
+                f"has shape {tuple(loaded.shape)} but the model expects {(self.vocab_size, param.shape[1])}"
+            )
+        param.data.copy_(loaded.narrow(0, self.vocab_start, self.local_vocab))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.local_vocab)
+        out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        return all_reduce_sum(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to float32 logits over the full vocabulary."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return all_gather_last_dim(F.linear(hidden, self.weight)).float()

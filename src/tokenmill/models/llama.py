@@ -1,0 +1,191 @@
+"""The Llama family: Llama 2/3.x, SmolLM2, Mistral and Qwen2/2.5 (the same block, different options).
+
+Pre-norm decoder blocks: ``h = x + attn(rmsnorm(x))``, ``out = h + mlp(rmsnorm(h))``, with grouped-query
+attention, rotary positions and a SwiGLU MLP.
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.attention import AttentionLayer
+from tokenmill.distributed import divide, tp_world_size
+from tokenmill.models.base import CausalLM
+from tokenmill.models.config import ConfigReader, ModelConfig
+from tokenmill.models.layers import (
+    Attention,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+from tokenmill.models.layers.linear import ShardId
+
+
+def local_heads(config: ModelConfig) -> tuple[int, int]:
+    tp = tp_world_size()
+    return divide(config.num_heads, tp, "attention heads"), divide(config.num_kv_heads, tp, "KV heads")
+
+
+def llama_sliding_windows(reader: ConfigReader, architecture: str, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer windows: ``layer_types`` when given, else Mistral's global window, else Qwen2's
+    ``use_sliding_window`` above ``max_window_layers``."""
+    window = reader.int_or("sliding_window", 0) or None
+    types = reader.layer_types(num_layers)
+    if types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if architecture == "MistralForCausalLM":
+        return (window,) * num_layers
+    if reader.bool_or("use_sliding_window", False):
+        first = reader.int_or("max_window_layers", num_layers)
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (None,) * num_layers
+
+
+def parse_llama_config(raw: dict[str, Any], source: str, architecture: str) -> ModelConfig:
+    r = ConfigReader(raw, source)
+    hidden = r.require_int("hidden_size")
+    heads = r.require_int("num_attention_heads")
+    layers = r.require_int("num_hidden_layers")
+    head_dim = r.int_or("head_dim", hidden // heads if heads else 0)
+    bias = r.bool_or("attention_bias", architecture == "Qwen2ForCausalLM")
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=r.require_int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=r.require_int("intermediate_size"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=r.int_or("num_key_value_heads", heads),
+        head_dim=head_dim,
+        max_position_embeddings=r.int_or("max_position_embeddings", 4096),
+        norm_eps=r.float_or("rms_norm_eps", 1e-6),
+        hidden_act=r.str_or("hidden_act", "silu"),
+        tie_word_embeddings=r.bool_or("tie_word_embeddings", False),
+        rope=r.rope(),
+        attention_scale=head_dim**-0.5,
+        sliding_windows=llama_sliding_windows(r, architecture, layers),
+        qkv_bias=bias,
+        output_bias=bias and architecture != "Qwen2ForCausalLM",
+        mlp_bias=r.bool_or("mlp_bias", False),
+        bos_token_id=r.int_or("bos_token_id", -1) if r.has("bos_token_id") else None,
+        eos_token_ids=r.token_ids("eos_token_id"),
+        raw=raw,
+    )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        num_heads, num_kv_heads = local_heads(config)
+        self.q_size = num_heads * config.head_dim
+        self.kv_size = num_kv_heads * config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, config.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, config.output_bias)
+        self.rotary_emb = rotary
+        spec = AttentionLayer(
+            layer_idx=layer_idx,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=config.head_dim,
+            scale=config.attention_scale,
+            sliding_window=config.sliding_windows[layer_idx],
+        )
+        self.attn = Attention(spec)
+
+    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project_qkv(hidden)
+        head_dim = self.attn.spec.head_dim
+        q, k = self.rotary_emb(positions, q.view(q.shape[0], -1, head_dim), k.view(k.shape[0], -1, head_dim))
+        return self.o_proj(self.attn(q, k, v))
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+        self.act_fn = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, self_attn: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, SiluAndMul())
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention], max_positions: int) -> None:
+        super().__init__()
+        assert config.rope is not None
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attention_cls(config, i, rotary)) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        out, _ = self.norm(hidden, residual)
+        return out
+
+
+class LlamaForCausalLM(CausalLM):
+    stacked_params: tuple[tuple[str, str, ShardId], ...] = (
+        ("q_proj", "qkv_proj", "q"),
+        ("k_proj", "qkv_proj", "k"),
+        ("v_proj", "qkv_proj", "v"),
+        ("gate_proj", "gate_up_proj", 0),
+        ("up_proj", "gate_up_proj", 1),
+    )
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    architecture_name = "LlamaForCausalLM"
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__(config)
+        self.model = LlamaModel(config, self.attention_cls, max_positions or config.max_position_embeddings)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def config_from_hf(cls, raw: dict[str, Any], source: str) -> ModelConfig:
+        return parse_llama_config(raw, source, str(raw.get("architectures", [cls.architecture_name])[0]))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden: torch.Tensor = self.model(input_ids, positions)
+        return hidden
