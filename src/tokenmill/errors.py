@@ -11,3 +11,7 @@ class ModelLoadError(TokenmillError):
 
 class UnsupportedArchitectureError(ModelLoadError):
     """The checkpoint's architecture has no implementation in tokenmill."""
+
+
+class TokenizerError(TokenmillError):
+    """A tokenizer could not be loaded or cannot do what was asked (e.g. a chat without a template)."""

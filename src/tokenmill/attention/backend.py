@@ -17,7 +17,9 @@ class AttentionLayer:
     num_kv_heads: int
     head_dim: int
     scale: float
-    sliding_window: int | None = None  # a query attends to at most this many most recent keys, itself included
+    sliding_window: int | None = (
+        None  # a query attends to at most this many most recent keys, itself included
+    )
 
 
 class AttentionBackend(ABC):
@@ -34,7 +36,9 @@ class AttentionBackend(ABC):
         """Write the new K/V into ``kv_cache`` (when given) and attend causally over each sequence."""
 
 
-def attention(layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def attention(
+    layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> torch.Tensor:
     """The call model code makes: dispatches to the backend and KV cache of the current forward context."""
     ctx = get_forward_context()
     kv_cache = ctx.kv_caches[layer.layer_idx] if ctx.kv_caches is not None else None

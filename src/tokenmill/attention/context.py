@@ -51,7 +51,9 @@ class AttentionMetadata:
         return self.slot_mapping is not None
 
     @classmethod
-    def for_prefill(cls, query_lens: Sequence[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
+    def for_prefill(
+        cls, query_lens: Sequence[int], device: torch.device | str = "cpu"
+    ) -> "AttentionMetadata":
         """Whole sequences with no cache: each sequence's tokens attend only to themselves."""
         lens = torch.tensor(list(query_lens), dtype=torch.int32, device=device)
         starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32, device=device)

@@ -3,4 +3,12 @@
 from tokenmill.loading.loader import DTYPES, LoadedModel, build_model, config_from_hf, load_model, parse_dtype
 from tokenmill.loading.presets import preset_names
 
-__all__ = ["DTYPES", "LoadedModel", "build_model", "config_from_hf", "load_model", "parse_dtype", "preset_names"]
+__all__ = [
+    "DTYPES",
+    "LoadedModel",
+    "build_model",
+    "config_from_hf",
+    "load_model",
+    "parse_dtype",
+    "preset_names",
+]

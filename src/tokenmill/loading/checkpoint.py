@@ -17,6 +17,11 @@ class Checkpoint(ABC):
         self.path = path
         self.current_file = path  # the file ``weights()`` is reading now, for error messages
 
+    @property
+    def config_file(self) -> Path:
+        """Where the config comes from, for error messages."""
+        return self.path
+
     @abstractmethod
     def hf_config(self) -> dict[str, Any]:
         """The model config as a Hugging Face ``config.json`` dict (with ``architectures``)."""

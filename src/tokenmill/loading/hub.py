@@ -13,7 +13,7 @@ def download_from_hub(repo_id: str) -> Path:
 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_PATTERNS, local_files_only=True))
-    except Exception:  # noqa: BLE001 (any miss in the cache means: try the network)
+    except Exception:
         pass
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         raise ModelLoadError(
@@ -22,8 +22,13 @@ def download_from_hub(repo_id: str) -> Path:
         )
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_PATTERNS))
-    except Exception as exc:  # noqa: BLE001 (network, auth and not-found errors all end here)
+    except Exception as exc:
         raise ModelLoadError(
             f"model '{repo_id}' is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) "
-            f"and could not be downloaded from the hub: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            f"and could not be downloaded from the hub: {type(exc).__name__}: {_first_line(exc)}"
         ) from None
+
+
+def _first_line(exc: Exception) -> str:
+    lines = str(exc).splitlines()
+    return lines[0][:200] if lines else ""

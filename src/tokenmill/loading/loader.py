@@ -67,18 +67,22 @@ def load_model(
     device = torch.device(device)
     torch_dtype = parse_dtype(dtype, device)
     source = resolve_source(model, load_format)
+    tokenizer: Tokenizer | None = None
+    extra_eos: tuple[int, ...] = ()
     if isinstance(source, DummySource):
         config = config_from_hf(source.config, source.name)
         net = build_model(config, device, torch_dtype, max_model_len)
         init_dummy_weights(net, seed)
-        tokenizer, extra_eos, name = None, (), f"dummy:{source.name}"
+        name = f"dummy:{source.name}"
     else:
-        config = config_from_hf(source.hf_config(), str(source.path))
+        config = config_from_hf(source.hf_config(), str(source.config_file))
         net = build_model(config, device, torch_dtype, max_model_len)
         load_checkpoint_weights(net, source)
         tokenizer, extra_eos, name = source.tokenizer(), source.eos_token_ids(), str(source.path)
     eos = tuple(dict.fromkeys(config.eos_token_ids + extra_eos))
-    return LoadedModel(net.eval(), config, tokenizer, eos, name, device, torch_dtype, time.perf_counter() - start)
+    return LoadedModel(
+        net.eval(), config, tokenizer, eos, name, device, torch_dtype, time.perf_counter() - start
+    )
 
 
 def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:

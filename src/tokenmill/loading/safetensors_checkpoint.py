@@ -48,14 +48,20 @@ class SafetensorsCheckpoint(Checkpoint):
         else:
             files = sorted(self.path.glob("*.safetensors"))
         if not files:
-            raise ModelLoadError(f"{self.path} holds no *.safetensors weights (PyTorch .bin files are not read)")
+            raise ModelLoadError(
+                f"{self.path} holds no *.safetensors weights (PyTorch .bin files are not read)"
+            )
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(f"{index} lists weight files that do not exist: {', '.join(missing)}")
         return files
 
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.json"
+
     def hf_config(self) -> dict[str, Any]:
-        return read_json(self.path / "config.json")
+        return read_json(self.config_file)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self.files:

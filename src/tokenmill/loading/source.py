@@ -22,7 +22,9 @@ class DummySource:
     config: dict[str, Any]
 
 
-def resolve_source(model: str | os.PathLike[str] | None, load_format: str = "auto") -> Checkpoint | DummySource:
+def resolve_source(
+    model: str | os.PathLike[str] | None, load_format: str = "auto"
+) -> Checkpoint | DummySource:
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format '{load_format}' is not one of {LOAD_FORMATS}")
     if load_format == "dummy":
@@ -59,7 +61,9 @@ def _looks_like_hub_id(name: str) -> bool:
 
 def _dummy_source(model: str | os.PathLike[str] | None) -> DummySource:
     if model is None:
-        raise ModelLoadError(f"dummy weights need a preset ({', '.join(preset_names())}) or a config.json path")
+        raise ModelLoadError(
+            f"dummy weights need a preset ({', '.join(preset_names())}) or a config.json path"
+        )
     preset = load_preset(str(model))
     if preset is not None:
         return DummySource(str(model), preset)

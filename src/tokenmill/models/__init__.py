@@ -4,4 +4,11 @@ from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ModelConfig, RopeConfig
 from tokenmill.models.registry import GGUF_ARCHITECTURES, MODEL_REGISTRY, resolve_architecture
 
-__all__ = ["GGUF_ARCHITECTURES", "MODEL_REGISTRY", "CausalLM", "ModelConfig", "RopeConfig", "resolve_architecture"]
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "MODEL_REGISTRY",
+    "CausalLM",
+    "ModelConfig",
+    "RopeConfig",
+    "resolve_architecture",
+]

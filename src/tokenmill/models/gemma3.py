@@ -7,7 +7,7 @@
   the local layers using their own rope base (10k) and the global ones 1M (optionally scaled).
 """
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -78,7 +78,9 @@ class Gemma3Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, config.qkv_bias
         )
-        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, config.output_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, config.output_bias
+        )
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, unit_offset=True)
         self.rotary_emb = rotary
@@ -145,7 +147,7 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    stacked_params: tuple[tuple[str, str, ShardId], ...] = (
+    stacked_params: ClassVar[tuple[tuple[str, str, ShardId], ...]] = (
         ("q_proj", "qkv_proj", "q"),
         ("k_proj", "qkv_proj", "k"),
         ("v_proj", "qkv_proj", "v"),

@@ -66,7 +66,9 @@ class GPT2Attention(nn.Module):
         super().__init__()
         local = divide(config.num_heads, tp_world_size(), "attention heads")
         self.local_size = local * config.head_dim
-        self.c_attn = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads, config.num_heads, True)
+        self.c_attn = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_heads, True
+        )
         self.c_proj = RowParallelLinear(config.hidden_size, config.hidden_size, True)
         self.attn = Attention(
             AttentionLayer(layer_idx, local, local, config.head_dim, config.attention_scale, None)

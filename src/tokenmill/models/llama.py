@@ -4,7 +4,7 @@ Pre-norm decoder blocks: ``h = x + attn(rmsnorm(x))``, ``out = h + mlp(rmsnorm(h
 attention, rotary positions and a SwiGLU MLP.
 """
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -88,7 +88,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, config.qkv_bias
         )
-        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, config.output_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, config.output_bias
+        )
         self.rotary_emb = rotary
         spec = AttentionLayer(
             layer_idx=layer_idx,
@@ -165,7 +167,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    stacked_params: tuple[tuple[str, str, ShardId], ...] = (
+    stacked_params: ClassVar[tuple[tuple[str, str, ShardId], ...]] = (
         ("q_proj", "qkv_proj", "q"),
         ("k_proj", "qkv_proj", "k"),
         ("v_proj", "qkv_proj", "v"),

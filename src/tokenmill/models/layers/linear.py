@@ -101,7 +101,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(MergedColumnParallelLinear):
     """Query, key and value projections fused; split by heads across ranks."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ):
         self.head_dim = head_dim
         super().__init__(
             hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias

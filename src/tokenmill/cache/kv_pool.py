@@ -1,0 +1,92 @@
+"""Sizing and allocating the per-layer KV pool that the block tables index into."""
+
+import torch
+
+from tokenmill.attention.context import KVCacheLayer
+
+_GIB = 1024**3
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take across all layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+def kv_bytes_per_block(
+    block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+
+
+def num_blocks_for_budget(
+    budget_bytes: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """How many whole blocks fit in ``budget_bytes``; ValueError if not even one does."""
+    block_bytes = kv_bytes_per_block(block_size, num_layers, num_kv_heads, head_dim, dtype)
+    num_blocks = max(0, budget_bytes) // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"a KV cache budget of {budget_bytes} bytes ({budget_bytes / _GIB:.3f} GiB) does not fit one "
+            f"block of {block_bytes} bytes ({block_size} tokens x {num_layers} layers x {num_kv_heads} "
+            f"KV heads x {head_dim} dims x 2 (K and V) x {dtype.itemsize} bytes of {dtype})"
+        )
+    return num_blocks
+
+
+def num_blocks_from_gpu_memory(
+    gpu_memory_utilization: float,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str | int | None = None,
+    reserve_bytes: int = 0,
+) -> int:
+    """Blocks that fit in ``gpu_memory_utilization`` of the GPU, less what this process already uses.
+
+    Call it after the weights are loaded and a forward pass of the largest batch has run: "used" is the
+    PyTorch allocator's peak reservation, so it covers activations too. ``reserve_bytes`` holds back more
+    (memory outside PyTorch's allocator, such as CUDA graphs or NCCL buffers). The budget never exceeds
+    the memory actually free on the device, whoever holds the rest.
+    """
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if not torch.cuda.is_available():
+        raise ValueError("no CUDA device: size the KV cache with num_blocks_for_budget and a byte budget")
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    used_by_process = torch.cuda.max_memory_reserved(device)
+    share = int(total_bytes * gpu_memory_utilization) - used_by_process
+    budget = min(share, free_bytes) - reserve_bytes
+    try:
+        return num_blocks_for_budget(budget, block_size, num_layers, num_kv_heads, head_dim, dtype)
+    except ValueError as error:
+        raise ValueError(
+            f"{error}; the budget is min({gpu_memory_utilization} x {total_bytes / _GIB:.2f} GiB total - "
+            f"{used_by_process / _GIB:.2f} GiB used by this process, {free_bytes / _GIB:.2f} GiB free) - "
+            f"{reserve_bytes / _GIB:.2f} GiB reserved"
+        ) from None
+
+
+def allocate_kv_pool(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[KVCacheLayer]:
+    """Zeroed ``[num_blocks, block_size, num_kv_heads, head_dim]`` key and value pools, one pair per layer.
+
+    Zeroed, not empty: reference attention multiplies masked-out slots by zero weights, and 0 * NaN
+    garbage would poison the output. The pools are views of one allocation, which keeps the allocator
+    from fragmenting memory around them.
+    """
+    for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    storage = torch.zeros(
+        (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+    )
+    return [KVCacheLayer(key=storage[layer, 0], value=storage[layer, 1]) for layer in range(num_layers)]

@@ -1,0 +1,91 @@
+"""``EngineConfig``: every optimization is a named toggle here, so its effect can be measured alone."""
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+KVCacheMode = Literal["none", "contiguous", "paged"]
+BatchingMode = Literal["sequential", "static", "continuous"]
+KV_CACHE_MODES: tuple[str, ...] = ("none", "contiguous", "paged")
+BATCHING_MODES: tuple[str, ...] = ("sequential", "static", "continuous")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine loads the model and serves requests.
+
+    ``kv_cache``: ``none`` recomputes the whole sequence every step; ``contiguous`` reserves
+    ``max_model_len`` slots per running sequence up front; ``paged`` takes ``block_size``-token blocks
+    from a shared pool as sequences grow.
+    ``batching``: ``sequential`` runs one request at a time; ``static`` admits a batch only when the
+    previous one has fully finished; ``continuous`` admits and retires requests at every step.
+    """
+
+    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
+    load_format: str = "auto"  # "dummy": random weights of the named preset / config
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's own limit, capped at 8192
+    kv_cache: KVCacheMode = "paged"
+    batching: BatchingMode = "continuous"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from free memory
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 2.0  # KV budget on CPU, where free memory is not a safe guide
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    attention_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        _require(self.kv_cache in KV_CACHE_MODES, "kv_cache", f"one of {KV_CACHE_MODES}", self.kv_cache)
+        _require(self.batching in BATCHING_MODES, "batching", f"one of {BATCHING_MODES}", self.batching)
+        _require(self.block_size >= 1, "block_size", "at least 1", self.block_size)
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "at least 1", self.max_num_seqs)
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            "at least 1",
+            self.max_num_batched_tokens,
+        )
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            "in (0, 1]",
+            self.gpu_memory_utilization,
+        )
+        _require(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", "positive", self.cpu_kv_cache_gib)
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1,
+            "max_model_len",
+            "at least 1",
+            self.max_model_len,
+        )
+        _require(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+            "num_kv_blocks",
+            "at least 1",
+            self.num_kv_blocks,
+        )
+        _require(
+            self.attention_backend in ("torch",),
+            "attention_backend",
+            "one of ('torch',)",
+            self.attention_backend,
+        )
+
+    @property
+    def max_running(self) -> int:
+        """Sequences in flight at once: one for sequential batching."""
+        return 1 if self.batching == "sequential" else self.max_num_seqs
+
+    def with_options(self, **options: Any) -> "EngineConfig":
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return replace(self, **options)
+
+
+def _require(ok: bool, name: str, requirement: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{name} must be {requirement}, got {value!r}")

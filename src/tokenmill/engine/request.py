@@ -1,0 +1,82 @@
+"""A request's state as it moves through the engine: tokens, how many are computed, and why it ended."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.engine.sampler import RowLogprobs
+from tokenmill.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate. ``token_ids`` grows by one per sampled token; the engine computes
+    (fills the KV cache for) ``token_ids[:num_computed_tokens]``, and every step schedules the rest."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context limit
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    parent_id: str | None = None  # the user's request id when n > 1 made several sequences
+    index: int = 0  # which of the n sequences this is
+    prompt_logprobs: list[RowLogprobs] = field(default_factory=list)  # filled as the prompt is computed
+
+    @property
+    def prompt_logprobs_done(self) -> int:
+        """Prompt positions whose next-token logprob is known."""
+        return len(self.prompt_logprobs)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def banned_token_ids(self) -> list[int]:
+        """Tokens that may not end the output yet: EOS and stop tokens until ``min_tokens`` are out."""
+        if self.num_output_tokens >= self.params.min_tokens:
+            return []
+        eos = [] if self.params.ignore_eos else sorted(self.eos_token_ids)
+        return eos + list(self.params.stop_token_ids)

@@ -1,0 +1,144 @@
+"""Deciding which tokens run in the next forward pass.
+
+One rule covers every case: each request has ``token_ids`` and ``num_computed_tokens``, and a step
+gives each scheduled request its uncomputed tokens (a whole prompt, or the one token sampled last step)
+under a token budget. Running requests go first, oldest first; when the KV pool cannot hold their next
+tokens the newest running request is preempted (its blocks freed, its tokens kept, recomputed later).
+Waiting requests are then admitted while sequences, tokens and blocks allow. The batching modes differ
+only in admission: ``sequential`` runs one request at a time, ``static`` admits a new batch only once the
+previous one has wholly finished, ``continuous`` admits at every step.
+"""
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.kv_cache import KVCache
+from tokenmill.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens ``start:end`` of ``request`` run this step."""
+
+    request: Request
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this chunk every token is computed, so the step samples the next one."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache: KVCache | None) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            budget -= self._schedule_running(request, budget, out)
+        if self._may_admit(out):
+            self._admit_waiting(budget, out)
+        return out
+
+    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        num_tokens = request.num_uncomputed_tokens
+        if num_tokens == 0 or num_tokens > budget:
+            return 0
+        while not self._reserve(request, request.num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return 0
+        out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, request.num_tokens))
+        return num_tokens
+
+    def _may_admit(self, out: SchedulerOutput) -> bool:
+        if out.preempted:
+            return False  # memory is short: admitting now would only preempt again
+        return not (self.config.batching == "static" and self.running)
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and len(self.running) < self.config.max_running:
+            request = self.waiting[0]
+            num_tokens = request.num_uncomputed_tokens
+            if num_tokens > budget or not self._reserve(request, request.num_tokens):
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, request.num_tokens))
+            budget -= num_tokens
+
+    def _reserve(self, request: Request, total_tokens: int) -> bool:
+        """Make sure ``request`` has KV slots for ``total_tokens``; False when the pool is short."""
+        if self.kv_cache is None:
+            return True
+        manager = self.kv_cache.manager
+        if not manager.can_allocate(total_tokens, request.request_id):
+            return False
+        manager.allocate(request.request_id, total_tokens)
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def _release(self, request: Request) -> None:
+        if self.kv_cache is not None and request.request_id in self.kv_cache.manager:
+            self.kv_cache.manager.free(request.request_id)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Retire ``request`` (finished or aborted) and free its blocks at once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def requests(self) -> Iterable[Request]:
+        yield from self.running
+        yield from self.waiting

@@ -1,0 +1,121 @@
+"""The offline API: ``LLM(model).generate(prompts, sampling_params)`` in the shape users know from vLLM."""
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeAlias, cast
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.errors import TokenmillError
+from tokenmill.tokenizer import Tokenizer
+
+Prompt: TypeAlias = str | Mapping[str, Any]  # text, or {"prompt_token_ids": [...]}
+Message: TypeAlias = Mapping[str, Any]
+
+
+class LLM:
+    """Loads a model (``None``: the embedded default) and runs batches of prompts to completion.
+
+    ``engine_options`` are :class:`EngineConfig` fields, e.g.
+    ``LLM(kv_cache="contiguous", batching="static")``; or pass a ready ``engine``.
+    """
+
+    def __init__(
+        self, model: str | None = None, *, engine: LLMEngine | None = None, **engine_options: Any
+    ) -> None:
+        self.engine = engine or LLMEngine(EngineConfig(model=model).with_options(**engine_options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise TokenmillError("this model was loaded without a tokenizer")
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in the order given."""
+        prompt_list = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
+        params_list = _params_per_prompt(sampling_params, len(prompt_list))
+        outputs: dict[str, RequestOutput] = {}
+        try:
+            for prompt, params in zip(prompt_list, params_list, strict=True):
+                request_id = str(next(self._ids))
+                text, prompt_input = _split_prompt(prompt)
+                prompt_ids = self.engine.add_request(request_id, prompt_input, params)
+                completions = [CompletionOutput(index=i) for i in range(params.n)]
+                outputs[request_id] = RequestOutput(request_id, text, prompt_ids, completions)
+            self._run(outputs, use_tqdm)
+        except BaseException:
+            for request_id in outputs:
+                self.engine.abort(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return list(outputs.values())
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        is_single = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = (
+            [cast(Sequence[Message], messages)] if is_single else cast(Sequence[Sequence[Message]], messages)
+        )
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            {"prompt_token_ids": tokenizer.apply_chat_template(list(c), add_generation_prompt, tokenize=True)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, outputs: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        progress = _progress_bar(len(outputs)) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                output = outputs[delta.request_id]
+                output.apply(delta)
+                if progress is not None and output.finished:
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+
+
+def _split_prompt(prompt: Prompt) -> tuple[str | None, str | list[int]]:
+    """(the prompt's text if known, what to tokenize or the token ids)."""
+    if isinstance(prompt, str):
+        return prompt, prompt
+    if "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return str(prompt["prompt"]), str(prompt["prompt"])
+    raise TokenmillError("a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids'")
+
+
+def _params_per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise TokenmillError(f"got {len(params)} sampling params for {count} prompts")
+    return list(params)
+
+
+def _progress_bar(total: int):  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")

@@ -1,0 +1,35 @@
+"""Building engines over an already-loaded model, so tests do not reload weights per config."""
+
+from typing import Any
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.llm import LLM
+from tokenmill.loading import LoadedModel
+
+
+def engine_for(loaded: LoadedModel, **options: Any) -> LLMEngine:
+    options.setdefault("device", "cpu")
+    options.setdefault("cpu_kv_cache_gib", 0.25)
+    return LLMEngine(EngineConfig(**options), loaded=loaded)
+
+
+def llm_for(loaded: LoadedModel, **options: Any) -> LLM:
+    return LLM(engine=engine_for(loaded, **options))
+
+
+def run_to_completion(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, RequestOutput]:
+    outputs = {}
+    for request_id, (prompt, params) in requests.items():
+        ids = engine.add_request(request_id, prompt, params)
+        outputs[request_id] = RequestOutput(
+            request_id, None, ids, [CompletionOutput(i) for i in range(params.n)]
+        )
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            outputs[delta.request_id].apply(delta)
+    return outputs

@@ -1,0 +1,223 @@
+"""The engine against independent references: the single-sequence greedy loop (itself checked against
+transformers), each request run alone, and a naive allocator model."""
+
+import random
+
+import pytest
+import torch
+
+from engine_helpers import engine_for, llm_for, run_to_completion
+from tokenmill import SamplingParams
+from tokenmill.engine.greedy import greedy_generate
+from tokenmill.engine.llm_engine import InvalidRequestError
+from tokenmill.loading import load_model
+
+LADDER = [
+    ("none", "sequential"),
+    ("contiguous", "sequential"),
+    ("contiguous", "static"),
+    ("contiguous", "continuous"),
+    ("paged", "sequential"),
+    ("paged", "static"),
+    ("paged", "continuous"),
+]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three colours:",
+    "1, 2, 3, 4,",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def references(smollm2):  # type: ignore[no-untyped-def]
+    tokenizer = smollm2.tokenizer
+    return [greedy_generate(smollm2.model, tokenizer.encode(p), GREEDY.max_tokens).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize(("kv_cache", "batching"), LADDER)
+def test_every_ladder_config_matches_the_reference_greedy_loop(
+    smollm2, references, kv_cache, batching
+) -> None:  # type: ignore[no-untyped-def]
+    llm = llm_for(smollm2, kv_cache=kv_cache, batching=batching, max_num_seqs=3, max_model_len=256)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == references
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length"] * len(PROMPTS)
+    if llm.engine.kv_cache is not None:
+        assert llm.engine.kv_cache.manager.num_free_blocks == llm.engine.kv_cache.manager.num_blocks
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_folder):  # type: ignore[no-untyped-def]
+    return load_model(tiny_llama_folder, dtype="float32")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_continuous_batching_equals_each_request_alone(tiny, seed: int) -> None:
+    """Random arrivals and lengths, tight limits and a pool small enough to force preemption."""
+    rng = random.Random(seed)
+    engine = engine_for(
+        tiny, kv_cache="paged", block_size=4, num_kv_blocks=16, max_num_seqs=rng.choice([4, 8]),
+        max_num_batched_tokens=rng.choice([64, 128]), max_model_len=64,
+    )  # fmt: skip
+    workload = {
+        f"r{i}": ([rng.randrange(3, 384) for _ in range(rng.randint(1, 30))], rng.randint(1, 24))
+        for i in range(14)
+    }
+    arrivals = sorted(workload, key=lambda _: rng.random())
+    texts: dict[str, list[int]] = {rid: [] for rid in workload}
+    steps = 0
+    while arrivals or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 3)):
+            if arrivals:
+                rid = arrivals.pop()
+                prompt, max_tokens = workload[rid]
+                engine.add_request(
+                    rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                )
+        for delta in engine.step():
+            texts[delta.request_id] += delta.new_token_ids
+        engine.kv_cache.manager.check_integrity()
+        steps += 1
+    assert engine.scheduler.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    assert engine.kv_cache.manager.num_free_blocks == engine.kv_cache.manager.num_blocks
+    for rid, (prompt, max_tokens) in workload.items():
+        assert texts[rid] == greedy_generate(tiny.model, prompt, max_tokens).token_ids, rid
+
+
+def test_abort_frees_blocks_at_once(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine = engine_for(tiny, kv_cache="paged", block_size=4, num_kv_blocks=64, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(5, 25)), params)
+    engine.step()
+    engine.step()
+    used = engine.kv_cache.manager.num_blocks - engine.kv_cache.manager.num_free_blocks
+    assert used > 0
+    engine.abort("r1")
+    assert engine.kv_cache.manager.num_blocks - engine.kv_cache.manager.num_free_blocks < used
+    deltas = engine.step()
+    aborted = [d for d in deltas if d.request_id == "r1"]
+    assert len(aborted) == 1 and aborted[0].finish_reason == "abort"
+    engine.abort("r0")
+    engine.abort("r2")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache.manager.num_free_blocks == engine.kv_cache.manager.num_blocks
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    prompt = [5, 6, 7, 8]
+    alone = run_to_completion(engine_for(tiny), {"x": (prompt, params)})["x"].outputs[0].token_ids
+    crowd = {f"o{i}": ([9 + i, 10, 11], SamplingParams(temperature=1.0, max_tokens=15 + i)) for i in range(5)}
+    crowd["x"] = (prompt, params)
+    together = run_to_completion(engine_for(tiny), crowd)["x"].outputs[0].token_ids
+    assert alone == together
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=20, ignore_eos=True)
+    assert run_to_completion(engine_for(tiny), {"x": (prompt, other_seed)})["x"].outputs[0].token_ids != alone
+
+
+def test_n_sequences_share_the_prompt_and_differ(tiny) -> None:  # type: ignore[no-untyped-def]
+    out = run_to_completion(
+        engine_for(tiny),
+        {"x": ([5, 6, 7], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True))},
+    )["x"]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 10 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(tiny) -> None:  # type: ignore[no-untyped-def]
+    prompt = [5, 6, 7]
+    free_run = run_to_completion(
+        engine_for(tiny), {"x": (prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))}
+    )
+    tokens = free_run["x"].outputs[0].token_ids
+    stop_at = tokens[5]
+    first = tokens.index(stop_at)
+    out = run_to_completion(
+        engine_for(tiny),
+        {"x": (prompt, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_at]))},
+    )
+    completion = out["x"].outputs[0]
+    assert completion.token_ids == tokens[: first + 1]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_at)
+    banned = run_to_completion(
+        engine_for(tiny),
+        {
+            "x": (
+                prompt,
+                SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_at], min_tokens=first + 2),
+            )
+        },
+    )["x"].outputs[0]
+    assert stop_at not in banned.token_ids[: first + 2]
+
+
+def test_request_validation_names_the_limit(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine = engine_for(tiny, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match=r"prompt \(60 tokens\) plus max_tokens \(10\) is 70 .* 64"):
+        engine.add_request("a", list(range(60)), SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidRequestError, match="64 tokens, which leaves no room"):
+        engine.add_request("b", [1] * 64, SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.add_request("c", [10_000], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("d", [], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        engine.add_request("e", "text", SamplingParams())
+    engine.add_request("f", [1, 2], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("f", [1, 2], SamplingParams(max_tokens=1))
+    assert not engine.sequences.keys() - {"f"}
+
+
+def test_engine_option_errors_name_the_option(tiny) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="kv_cache"):
+        engine_for(tiny, kv_cache="fancy")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        engine_for(tiny, max_model_len=128, max_num_batched_tokens=64)
+
+
+def test_stop_strings_cut_the_text_and_streams_add_up(smollm2) -> None:  # type: ignore[no-untyped-def]
+    llm = llm_for(smollm2)
+    base = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    )[0]
+    text = base.outputs[0].text
+    stop = text[8:11]
+    cut = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[
+        0
+    ]
+    assert cut.outputs[0].text == text[: text.index(stop)]
+    assert (cut.outputs[0].finish_reason, cut.outputs[0].stop_reason) == ("stop", stop)
+
+
+def test_logprobs_match_log_softmax_of_the_reference_logits(smollm2) -> None:  # type: ignore[no-untyped-def]
+    llm = llm_for(smollm2)
+    prompt_ids = llm.get_tokenizer().encode("The quick brown fox")
+    out = llm.generate(
+        {"prompt_token_ids": prompt_ids},
+        SamplingParams(temperature=0, max_tokens=1, logprobs=3, prompt_logprobs=2),
+    )[0]
+    reference = torch.log_softmax(greedy_generate(smollm2.model, prompt_ids, 1).prompt_logits, -1)
+    entry = out.outputs[0].logprobs[0]
+    assert entry.token_id == int(reference.argmax()) and entry.rank == 1
+    assert abs(entry.logprob - float(reference.max())) < 1e-4
+    assert [t for t, _ in entry.top] == reference.topk(3).indices.tolist()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt_ids)
+    first = out.prompt_logprobs[1]
+    first_logits = torch.log_softmax(greedy_generate(smollm2.model, prompt_ids[:1], 1).prompt_logits, -1)
+    assert first.token_id == prompt_ids[1] and abs(first.logprob - float(first_logits[prompt_ids[1]])) < 1e-4
+
+
+def test_chat_uses_the_template(smollm2) -> None:  # type: ignore[no-untyped-def]
+    llm = llm_for(smollm2)
+    messages = [{"role": "user", "content": "Say hello."}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8))[0]
+    expected = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert out.prompt_token_ids == expected
+    assert out.outputs[0].text

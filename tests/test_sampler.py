@@ -1,0 +1,481 @@
+"""Sampler and SamplingParams against naive float64 references written here, independent of the sampler."""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from tokenmill.engine.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    SamplingRow,
+    apply_penalties,
+    apply_top_k_top_p_min_p,
+    compute_prompt_logprobs,
+)
+from tokenmill.engine.sampling_params import SamplingParams
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Small vocabulary, deliberately unsorted so that filters must find the order themselves.
+SMALL_LOGITS = [0.3, 2.0, -1.2, 1.0, -3.0, 1.5, 0.0, -0.6]
+NUM_DRAWS = 40_000
+Z_LIMIT = 5.0  # per-token deviation allowed, in binomial standard deviations
+CHI2_Z = 4.75  # one-sided normal quantile (~1e-6) for the chi-square critical value
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    return torch.device(request.param)
+
+
+def _with(params: SamplingParams, **changes: Any) -> SamplingParams:
+    return dataclasses.replace(params, **changes)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    batch = SamplingBatch.build(rows, logits.shape[1], logits.device)
+    return Sampler()(logits, batch)
+
+
+# ---- naive references -------------------------------------------------------------------------------------
+
+
+def reference_probs(
+    logits: Sequence[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> list[float]:
+    """The target distribution, token by token in float64: temperature, top-k, top-p, then min-p."""
+    scaled = [value / temperature for value in logits]
+    order = sorted(range(len(scaled)), key=lambda i: -scaled[i])
+    kept = order[:top_k] if top_k > 0 else order
+    probs = _softmax_over(scaled, kept)
+    if top_p < 1.0:
+        mass, nucleus = 0.0, []
+        for token in kept:
+            if mass >= top_p:
+                break
+            nucleus.append(token)
+            mass += probs[token]
+        kept = nucleus
+        probs = _softmax_over(scaled, kept)
+    if min_p > 0.0:
+        largest = max(probs)
+        kept = [token for token in kept if probs[token] >= min_p * largest]
+        probs = _softmax_over(scaled, kept)
+    return probs
+
+
+def _softmax_over(logits: Sequence[float], kept: Sequence[int]) -> list[float]:
+    top = max(logits[i] for i in kept)
+    weights = [math.exp(logits[i] - top) if i in kept else 0.0 for i in range(len(logits))]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def reference_penalised(
+    logits: Sequence[float],
+    params: SamplingParams,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    banned: Sequence[int],
+) -> list[float]:
+    values = [float(v) for v in logits]
+    for token, bias in (params.logit_bias or {}).items():
+        values[token] += bias
+    for token in banned:
+        values[token] = -math.inf
+    for token in set(prompt) | set(output):
+        penalty = params.repetition_penalty
+        values[token] = values[token] / penalty if values[token] > 0 else values[token] * penalty
+    for token in set(output):
+        count = output.count(token)
+        values[token] -= params.frequency_penalty * count + params.presence_penalty
+    return values
+
+
+def assert_matches_distribution(tokens: torch.Tensor, probs: Sequence[float]) -> None:
+    counts = torch.bincount(tokens.cpu(), minlength=len(probs)).tolist()
+    total = sum(counts)
+    chi2, support = 0.0, 0
+    for token, (count, p) in enumerate(zip(counts, probs, strict=True)):
+        if p == 0.0:
+            assert count == 0, f"token {token} is filtered out yet was drawn {count} times"
+            continue
+        expected = total * p
+        std = math.sqrt(total * p * (1 - p)) or 1.0
+        assert abs(count - expected) <= Z_LIMIT * std + 1, (
+            f"token {token}: {count} draws, expected {expected:.0f}"
+        )
+        chi2 += (count - expected) ** 2 / expected
+        support += 1
+    df = support - 1
+    if df > 0:  # Wilson-Hilferty approximation of the chi-square quantile
+        critical = df * (1 - 2 / (9 * df) + CHI2_Z * math.sqrt(2 / (9 * df))) ** 3
+        assert chi2 < critical, f"chi-square {chi2:.1f} over {critical:.1f} with {df} degrees of freedom"
+
+
+# ---- distributions ----------------------------------------------------------------------------------------
+
+FILTER_CASES: list[dict[str, Any]] = [
+    {"temperature": 1.0},
+    {"temperature": 0.5},
+    {"temperature": 2.5},
+    {"top_k": 3},
+    {"top_k": 1},
+    {"top_k": -1},
+    {"top_k": 100},
+    {"top_p": 0.8},
+    {"top_p": 0.3},
+    {"min_p": 0.1},
+    {"min_p": 0.2},  # token 0.3 sits just under the threshold (ratio 0.18)
+    {"min_p": 0.3, "temperature": 1.7},
+    {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.05},
+    {"temperature": 1.3, "top_k": 4, "top_p": 0.6},
+    {"temperature": 2.0, "top_p": 0.95, "min_p": 0.08},
+]
+
+
+@pytest.mark.parametrize("case", FILTER_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_sampled_frequencies_match_target_distribution(case: dict[str, Any], device: torch.device) -> None:
+    torch.manual_seed(1234)
+    logits = torch.tensor([SMALL_LOGITS], device=device).expand(NUM_DRAWS, -1)
+    rows = [SamplingRow(SamplingParams(**case))] * NUM_DRAWS
+    reference_kwargs = {**case, "top_k": max(case.get("top_k", 0), 0)}
+    assert_matches_distribution(
+        sample(logits, rows).token_ids, reference_probs(SMALL_LOGITS, **reference_kwargs)
+    )
+
+
+def test_rows_with_different_filters_in_one_batch(device: torch.device) -> None:
+    """Per-row parameters must not leak between rows: two filter settings interleaved in one call."""
+    torch.manual_seed(99)
+    a: dict[str, Any] = {"temperature": 0.8, "top_k": 3}
+    b: dict[str, Any] = {"temperature": 1.5, "top_p": 0.7, "min_p": 0.02}
+    row_a, row_b = SamplingRow(SamplingParams(**a)), SamplingRow(SamplingParams(**b))
+    rows = [row_a if i % 2 else row_b for i in range(NUM_DRAWS)]
+    logits = torch.tensor([SMALL_LOGITS], device=device).expand(NUM_DRAWS, -1)
+    tokens = sample(logits, rows).token_ids
+    assert_matches_distribution(tokens[1::2], reference_probs(SMALL_LOGITS, **a))
+    assert_matches_distribution(tokens[0::2], reference_probs(SMALL_LOGITS, **b))
+
+
+def test_seeded_rows_follow_the_target_distribution(device: torch.device) -> None:
+    """One draw from each of many seeds: the seed-to-noise mapping must not bias the samples."""
+    case: dict[str, Any] = {"temperature": 0.9, "top_p": 0.9}
+    rows = [SamplingRow(SamplingParams(seed=seed, **case)) for seed in range(5000)]
+    logits = torch.tensor([SMALL_LOGITS], device=device).expand(len(rows), -1)
+    assert_matches_distribution(sample(logits, rows).token_ids, reference_probs(SMALL_LOGITS, **case))
+
+
+# ---- greedy -----------------------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax(device: torch.device) -> None:
+    logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(0)).to(device)
+    out = sample(logits, [SamplingRow(SamplingParams(temperature=0.0, top_k=5, top_p=0.5))] * 16)
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+
+
+def test_greedy_rows_mixed_with_sampled_rows(device: torch.device) -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1)).to(device)
+    greedy_rows = [i % 3 == 0 for i in range(64)]
+    rows = [SamplingRow(SamplingParams(temperature=0.0 if g else 5.0)) for g in greedy_rows]
+    tokens = sample(logits, rows).token_ids
+    argmax = logits.argmax(dim=-1)
+    mask = torch.tensor(greedy_rows, device=device)
+    assert torch.equal(tokens[mask], argmax[mask])
+    assert not torch.equal(tokens[~mask], argmax[~mask]), "hot rows should not all land on the argmax"
+
+
+def test_input_logits_are_left_unchanged(device: torch.device) -> None:
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2)).to(device)
+    before = logits.clone()
+    params = SamplingParams(temperature=0.7, top_k=4, repetition_penalty=1.3, logit_bias={3: 2.0}, logprobs=2)
+    sample(logits, [SamplingRow(params, [1, 2], [3], banned_token_ids=[4])] * 4)
+    assert torch.equal(logits, before)
+
+
+# ---- penalties, bias, bans --------------------------------------------------------------------------------
+
+
+def penalty_rows(vocab: int) -> list[tuple[SamplingParams, list[int], list[int], list[int]]]:
+    g = torch.Generator().manual_seed(7)
+
+    def ids(count: int) -> list[int]:
+        return torch.randint(0, vocab, (count,), generator=g).tolist()
+
+    return [
+        (SamplingParams(), ids(5), ids(4), []),
+        (SamplingParams(repetition_penalty=1.5), ids(6), ids(7), []),
+        (SamplingParams(repetition_penalty=0.7), ids(3), [], []),
+        (SamplingParams(presence_penalty=0.8, frequency_penalty=0.4), ids(4), ids(12), []),
+        (SamplingParams(presence_penalty=-1.0, frequency_penalty=-0.3), ids(2), ids(9), []),
+        (SamplingParams(logit_bias={0: 5.0, 7: -3.5, 11: 0.25}), ids(3), ids(3), []),
+        (SamplingParams(), ids(3), ids(2), [2, 5, 9]),
+        (
+            SamplingParams(
+                repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=1.0, logit_bias={4: 1.0}
+            ),
+            ids(8),
+            ids(15),
+            [1],
+        ),
+    ]
+
+
+def test_penalties_match_naive_per_row_loop(device: torch.device) -> None:
+    vocab = 24
+    cases = penalty_rows(vocab)
+    logits = torch.randn(len(cases), vocab, generator=torch.Generator().manual_seed(3)) * 3
+    rows = [SamplingRow(p, prompt, output, banned) for p, prompt, output, banned in cases]
+    batch = SamplingBatch.build(rows, vocab, device)
+    got = apply_penalties(logits.to(device), batch).cpu().double()
+    expected = torch.tensor(
+        [reference_penalised(logits[i].tolist(), *case) for i, case in enumerate(cases)], dtype=torch.float64
+    )
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(got[finite], expected[finite], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_after_penalties_matches_reference(device: torch.device) -> None:
+    vocab = 24
+    cases = penalty_rows(vocab)
+    logits = torch.randn(len(cases), vocab, generator=torch.Generator().manual_seed(4))
+    rows = [
+        SamplingRow(_with(p, temperature=0.0), prompt, output, banned) for p, prompt, output, banned in cases
+    ]
+    tokens = sample(logits.to(device), rows).token_ids.tolist()
+    for i, case in enumerate(cases):
+        values = reference_penalised(logits[i].tolist(), *case)
+        assert tokens[i] == max(range(vocab), key=lambda t: values[t])
+
+
+def test_banned_tokens_are_never_sampled(device: torch.device) -> None:
+    torch.manual_seed(11)
+    vocab = 10
+    logits = torch.zeros(2000, vocab, device=device)
+    logits[:, 3] = 8.0  # by far the most likely token, and banned
+    rows = [SamplingRow(SamplingParams(temperature=1.0), banned_token_ids=[3, 7]) for _ in range(2000)]
+    tokens = sample(logits, rows).token_ids
+    assert not torch.isin(tokens, torch.tensor([3, 7], device=device)).any()
+    assert len(tokens.unique()) == vocab - 2
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
+    params = SamplingParams(min_tokens=3, stop_token_ids=[9, 4])
+    assert params.banned_token_ids(0, eos_token_ids=[2]) == [2, 4, 9]
+    assert params.banned_token_ids(2, eos_token_ids=[2]) == [2, 4, 9]
+    assert params.banned_token_ids(3, eos_token_ids=[2]) == []
+    assert _with(params, ignore_eos=True).banned_token_ids(0, eos_token_ids=[2]) == [4, 9]
+
+
+def test_large_logit_bias_forces_the_token(device: torch.device) -> None:
+    torch.manual_seed(12)
+    logits = torch.randn(500, 40, generator=torch.Generator().manual_seed(5)).to(device)
+    rows = [SamplingRow(SamplingParams(temperature=1.0, logit_bias={17: 100.0}))] * 500
+    assert (sample(logits, rows).token_ids == 17).all()
+
+
+def test_out_of_vocabulary_bias_or_ban_is_rejected() -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingBatch.build([SamplingRow(SamplingParams(logit_bias={50: 1.0}))], vocab_size=50)
+    with pytest.raises(ValueError, match="banned_token_ids"):
+        SamplingBatch.build([SamplingRow(SamplingParams(), banned_token_ids=[50])], vocab_size=50)
+
+
+# ---- seeds ------------------------------------------------------------------------------------------------
+
+
+def run_seeded_request(
+    device: torch.device, seeded: SamplingParams, seeded_logits: torch.Tensor, position: int, others: int
+) -> list[int]:
+    """Decode 6 steps of one seeded request placed at ``position`` among ``others`` random requests."""
+    g = torch.Generator().manual_seed(position * 100 + others)
+    vocab = seeded_logits.shape[0]
+    other_params = [
+        SamplingParams(temperature=0.9, top_k=50),
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_p=0.5, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(seed=777, min_p=0.1),
+        SamplingParams(logit_bias={1: 3.0}, logprobs=3),
+    ]
+    outputs: list[int] = []
+    for _ in range(6):
+        rows = [SamplingRow(other_params[i % len(other_params)], [1, 2], [3] * i) for i in range(others)]
+        rows.insert(position, SamplingRow(seeded, [5, 6, 7], list(outputs)))
+        logits = torch.randn(len(rows), vocab, generator=g)
+        logits[position] = seeded_logits
+        outputs.append(int(sample(logits.to(device), rows).token_ids[position]))
+    return outputs
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [{"top_k": 100, "min_p": 0.001}, {"top_p": 0.99}, {"temperature": 1.5}],
+    ids=["top_k+min_p", "top_p", "plain"],
+)
+def test_seeded_request_does_not_depend_on_the_batch(filters: dict[str, Any], device: torch.device) -> None:
+    """Alone, the request may take a filtering path (no sort) other than in a batch with top-p rows."""
+    seeded_logits = torch.randn(1000, generator=torch.Generator().manual_seed(8))
+    params = SamplingParams(seed=42, **filters)
+    alone = run_seeded_request(device, params, seeded_logits, position=0, others=0)
+    assert len(set(alone)) > 1, "a seeded request must still vary from step to step"
+    torch.manual_seed(0)
+    assert run_seeded_request(device, params, seeded_logits, position=0, others=7) == alone
+    torch.manual_seed(1)
+    assert run_seeded_request(device, params, seeded_logits, position=3, others=9) == alone
+    other_seed = run_seeded_request(device, _with(params, seed=43), seeded_logits, position=0, others=0)
+    assert other_seed != alone
+
+
+def test_filter_paths_agree_bitwise(device: torch.device) -> None:
+    """A top-k / min-p row gets the same filtered logits whether or not a top-p row forces a sort."""
+    logits = torch.randn(2, 3000, generator=torch.Generator().manual_seed(6)).to(device)
+    logits[0, 100:140] = 10.0  # the 40 largest, tied across the top-k boundary
+    row = SamplingRow(SamplingParams(top_k=25, min_p=0.05))
+    unsorted = apply_top_k_top_p_min_p(logits[:1], SamplingBatch.build([row], 3000, device))
+    with_top_p = SamplingBatch.build([row, SamplingRow(SamplingParams(top_p=0.5))], 3000, device)
+    assert torch.equal(apply_top_k_top_p_min_p(logits, with_top_p)[:1], unsorted)
+    assert int(torch.isfinite(unsorted).sum()) == 40, "every token tied with the k-th largest is kept"
+
+
+def test_parallel_samples_get_distinct_seeds() -> None:
+    params = SamplingParams(n=3, seed=10)
+    assert [params.for_sample(i).seed for i in range(3)] == [10, 11, 12]
+    assert all(params.for_sample(i).n == 1 for i in range(3))
+    assert SamplingParams(n=2).for_sample(1).seed is None
+
+
+# ---- logprobs ---------------------------------------------------------------------------------------------
+
+
+def test_logprobs_come_from_raw_logits(device: torch.device) -> None:
+    torch.manual_seed(21)
+    vocab = 64
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(9)) * 2
+    params = [
+        SamplingParams(logprobs=5, temperature=0.5, repetition_penalty=1.4),
+        SamplingParams(),
+        SamplingParams(logprobs=0, top_k=3),
+        SamplingParams(logprobs=20, temperature=0.0, logit_bias={2: 4.0}),
+        SamplingParams(logprobs=2, top_p=0.5, presence_penalty=1.0),
+    ]
+    rows = [SamplingRow(p, [1, 2, 3], [4, 4]) for p in params]
+    out = sample(logits.to(device), rows)
+    assert out.logprobs is not None
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    per_row = out.logprobs.to_rows([p.logprobs for p in params])
+    for i, (p, row) in enumerate(zip(params, per_row, strict=True)):
+        token = int(out.token_ids[i])
+        assert row.token_id == token
+        assert row.logprob == pytest.approx(float(reference[i, token]), abs=1e-5)
+        assert row.rank == 1 + int((reference[i] > reference[i, token]).sum())
+        wanted = p.logprobs or 0
+        top_values, top_ids = reference[i].topk(wanted)
+        assert [t for t, _ in row.top] == top_ids.tolist()
+        assert [v for _, v in row.top] == pytest.approx(top_values.tolist(), abs=1e-5)
+
+
+def test_no_logprobs_when_none_asked(device: torch.device) -> None:
+    out = sample(torch.randn(3, 10, device=device), [SamplingRow(SamplingParams())] * 3)
+    assert out.logprobs is None
+
+
+def test_prompt_logprobs(device: torch.device) -> None:
+    vocab, length = 16, 1500  # longer than one chunk
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(length, vocab, generator=g)
+    prompt = torch.randint(0, vocab, (length,), generator=g)
+    result = compute_prompt_logprobs(logits.to(device), prompt.tolist(), num_top=4)
+    reference = torch.log_softmax(logits.double(), dim=-1)[:-1]
+    targets = prompt[1:]
+    expected = reference.gather(1, targets.unsqueeze(1)).squeeze(1)
+    assert result.logprobs.shape == (length - 1,)
+    torch.testing.assert_close(result.logprobs.cpu().double(), expected, atol=1e-5, rtol=0)
+    assert torch.equal(result.token_ids.cpu(), targets)
+    assert torch.equal(result.ranks.cpu(), (reference > expected.unsqueeze(1)).sum(dim=1) + 1)
+    top_values, top_ids = reference.topk(4, dim=1)
+    assert torch.equal(result.top_ids.cpu(), top_ids)
+    torch.testing.assert_close(result.top_logprobs.cpu().double(), top_values, atol=1e-5, rtol=0)
+    single = compute_prompt_logprobs(logits[:1].to(device), prompt[:1].tolist(), num_top=4)
+    assert single.logprobs.shape == (0,)
+
+
+# ---- SamplingParams ---------------------------------------------------------------------------------------
+
+INVALID_PARAMS = [
+    ({"n": 0}, "n"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": -0.01}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"presence_penalty": -2.01}, "presence_penalty"),
+    ({"frequency_penalty": 3.0}, "frequency_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"seed": 1.5}, "seed"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"logit_bias": {5: 101.0}}, "logit_bias"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "name"), INVALID_PARAMS, ids=[f"{n}={v}" for (v, n) in INVALID_PARAMS])
+def test_invalid_params_raise_naming_the_parameter(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{name} must be"):
+        SamplingParams(**kwargs)
+
+
+def test_params_defaults_and_normalisation() -> None:
+    params = SamplingParams()
+    assert (params.n, params.temperature, params.top_p, params.top_k, params.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (params.max_tokens, params.min_tokens, params.stop, params.stop_token_ids) == (16, 0, (), [])
+    assert params.logprobs is None and params.skip_special_tokens and not params.ignore_eos
+    assert SamplingParams(stop="###").stop == ("###",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    vllm_style: dict[str, Any] = {"stop": None}  # accepted at run time, though typed as Sequence[str]
+    assert SamplingParams(**vllm_style).stop == ()
+    assert SamplingParams(max_tokens=None, min_tokens=50).max_tokens is None
+    assert SamplingParams(temperature=0.0).is_greedy and not SamplingParams(temperature=0.1).is_greedy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_device_sync_on_cuda() -> None:
+    """Building the batch and sampling, penalties, seeds, filters and logprobs included, never waits on the
+    GPU: CUDA's sync debug mode turns any synchronising call into an error."""
+    vocab = 5000
+    logits = torch.randn(8, vocab, device="cuda")
+    params = [
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(top_k=20, top_p=0.9, min_p=0.05, seed=3),
+        SamplingParams(
+            repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2, logit_bias={5: 2.0}
+        ),
+        SamplingParams(temperature=0.6, top_p=0.8),
+    ] * 2
+    rows = [SamplingRow(p, [1, 2, 3], [4, 5, 4], banned_token_ids=[7]) for p in params]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = SamplingBatch.build(rows, vocab, logits.device)
+        out = Sampler()(logits, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.token_ids.shape == (8,)
