@@ -54,14 +54,23 @@ def tiny(tiny_llama_folder):  # type: ignore[no-untyped-def]
     return load_model(tiny_llama_folder, dtype="float32")
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_continuous_batching_equals_each_request_alone(tiny, seed: int) -> None:
-    """Random arrivals and lengths, tight limits and a pool small enough to force preemption."""
+@pytest.mark.parametrize("chunked_prefill", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_continuous_batching_equals_each_request_alone(tiny, seed: int, chunked_prefill: bool) -> None:
+    """Random arrivals and lengths, tight limits and a pool small enough to force preemption; with
+    chunked prefill, prompts split at random chunk sizes and share steps with decodes."""
     rng = random.Random(seed)
     engine = engine_for(
-        tiny, kv_cache="paged", block_size=4, num_kv_blocks=16, max_num_seqs=rng.choice([4, 8]),
-        max_num_batched_tokens=rng.choice([64, 128]), max_model_len=64,
-    )  # fmt: skip
+        tiny,
+        kv_cache="paged",
+        block_size=4,
+        num_kv_blocks=16,
+        max_num_seqs=rng.choice([4, 8]),
+        max_num_batched_tokens=rng.choice([16, 40]) if chunked_prefill else rng.choice([64, 128]),
+        max_model_len=64,
+        chunked_prefill=chunked_prefill,
+        prefill_chunk_size=rng.choice([None, 3, 7]) if chunked_prefill else None,
+    )
     workload = {
         f"r{i}": ([rng.randrange(3, 384) for _ in range(rng.randint(1, 30))], rng.randint(1, 24))
         for i in range(14)

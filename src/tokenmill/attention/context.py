@@ -2,8 +2,8 @@
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,8 @@ class AttentionMetadata:
     max_seq_len: int
     slot_mapping: torch.Tensor | None = None  # int64 [T]: flat KV slot for each new token; -1 skips
     block_tables: torch.Tensor | None = None  # int32 [B, max_blocks]: KV block ids of each sequence
+    # What a backend derives from the fields above, computed by the first layer and reused by the rest.
+    derived: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

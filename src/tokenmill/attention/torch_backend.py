@@ -22,25 +22,52 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         kv_cache: KVCacheLayer | None,
     ) -> torch.Tensor:
+        layout = _layout(metadata, query.shape[0])
         if kv_cache is not None:
             write_kv_cache(kv_cache, key, value, _require(metadata.slot_mapping, "slot_mapping"))
             block_tables = _require(metadata.block_tables, "block_tables")
             keys = gather_kv_cache(kv_cache.key, block_tables, metadata.max_seq_len)
             values = gather_kv_cache(kv_cache.value, block_tables, metadata.max_seq_len)
         else:
-            keys = pad_packed(key, metadata)
-            values = pad_packed(value, metadata)
-        queries = pad_packed(query, metadata)
-        mask = causal_mask(metadata, keys.shape[1], layer.sliding_window)
+            keys, values = key[layout.padded_index], value[layout.padded_index]
+        mask = layout.mask(metadata, keys.shape[1], layer.sliding_window)
         out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2),
+            query[layout.padded_index].transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
             attn_mask=mask.unsqueeze(1),
             scale=layer.scale,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
-        return unpad(out.transpose(1, 2), metadata, query.shape[0])
+        return out.transpose(1, 2)[layout.seq_of_token, layout.offset_in_seq]
+
+
+class _PaddedLayout:
+    """Index maps between the packed ``[T]`` rows and the padded ``[B, max_query_len]`` batch, and the
+    attention masks, computed once per forward pass and shared by every layer."""
+
+    def __init__(self, metadata: AttentionMetadata, num_tokens: int) -> None:
+        self.padded_index = padded_token_index(metadata, num_tokens)
+        starts = metadata.query_start_loc.long()
+        query_lens = starts[1:] - starts[:-1]
+        device = starts.device
+        self.seq_of_token = torch.repeat_interleave(
+            torch.arange(metadata.num_seqs, device=device), query_lens, output_size=num_tokens
+        )
+        self.offset_in_seq = torch.arange(num_tokens, device=device) - starts[self.seq_of_token]
+        self._masks: dict[tuple[int, int | None], torch.Tensor] = {}
+
+    def mask(self, metadata: AttentionMetadata, num_keys: int, window: int | None) -> torch.Tensor:
+        if (num_keys, window) not in self._masks:
+            self._masks[num_keys, window] = causal_mask(metadata, num_keys, window)
+        return self._masks[num_keys, window]
+
+
+def _layout(metadata: AttentionMetadata, num_tokens: int) -> _PaddedLayout:
+    layout = metadata.derived.get(_PaddedLayout)
+    if layout is None:
+        layout = metadata.derived[_PaddedLayout] = _PaddedLayout(metadata, num_tokens)
+    return layout
 
 
 def _require(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
@@ -65,28 +92,14 @@ def gather_kv_cache(pool: torch.Tensor, block_tables: torch.Tensor, max_seq_len:
     return gathered.flatten(1, 2)[:, :max_seq_len]
 
 
-def _padded_token_index(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_token_index(metadata: AttentionMetadata, num_tokens: int) -> torch.Tensor:
+    """``[B, max_query_len]`` packed row of each padded position; padding repeats the sequence's first row."""
     starts = metadata.query_start_loc[:-1].long()
     query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).long()
     offsets = torch.arange(metadata.max_query_len, device=starts.device)
-    return starts[:, None] + offsets[None, :], offsets[None, :] < query_lens[:, None]
-
-
-def pad_packed(packed: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-    """``[T, ...]`` packed rows → ``[B, max_query_len, ...]``; padding rows repeat a valid row."""
-    index, valid = _padded_token_index(metadata)
-    index = torch.where(valid, index, metadata.query_start_loc[:-1, None].long())
-    return packed[index.clamp(max=packed.shape[0] - 1)]
-
-
-def unpad(padded: torch.Tensor, metadata: AttentionMetadata, num_tokens: int) -> torch.Tensor:
-    starts = metadata.query_start_loc.long()
-    query_lens = starts[1:] - starts[:-1]
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(metadata.num_seqs, device=starts.device), query_lens, output_size=num_tokens
-    )
-    offset_in_seq = torch.arange(num_tokens, device=starts.device) - starts[seq_of_token]
-    return padded[seq_of_token, offset_in_seq]
+    index = starts[:, None] + offsets[None, :]
+    index = torch.where(offsets[None, :] < query_lens[:, None], index, starts[:, None])
+    return index.clamp(max=num_tokens - 1)
 
 
 def causal_mask(metadata: AttentionMetadata, num_keys: int, sliding_window: int | None) -> torch.Tensor:

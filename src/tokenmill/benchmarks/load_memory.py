@@ -65,39 +65,44 @@ class PeakSampler:
         self.peak = max(self.peak, anonymous_rss_bytes())
 
 
-def measure_load_memory(model: str, device: str = "cpu", dtype: str = "float32") -> LoadMemoryReport:
+def measure_load_memory(
+    model: str, device: str = "cpu", dtype: str = "float32", load_format: str = "auto"
+) -> LoadMemoryReport:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
-        loaded = load_model(model, device=device, dtype=dtype)
+        loaded = load_model(model, device=device, dtype=dtype, load_format=load_format)
         peak = torch.cuda.max_memory_allocated() - baseline
     else:
         baseline = anonymous_rss_bytes()
         with PeakSampler() as sampler:
-            loaded = load_model(model, device=device, dtype=dtype)
+            loaded = load_model(model, device=device, dtype=dtype, load_format=load_format)
         peak = sampler.peak - baseline
     params = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in loaded.model.buffers())
     return LoadMemoryReport(model, device, dtype, params + buffers, peak, loaded.load_seconds)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", required=True)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="folder, .gguf, hub id, or a preset with --load-format dummy")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args()
-    report = measure_load_memory(args.model, args.device, args.dtype)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = measure_load_memory(args.model, args.device, args.dtype, args.load_format)
     if args.json:
         print(json.dumps({**asdict(report), "peak_over_params": report.peak_over_params}))
-        return
+        return 0
     print(f"model {report.model} on {report.device} in {report.dtype}, loaded in {report.seconds:.2f} s")
     print(f"parameters + buffers: {report.param_bytes / 2**20:.1f} MiB")
     print(f"peak while loading:   {report.peak_bytes / 2**20:.1f} MiB ({report.peak_over_params:.2f}x)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(cli)
+    raise SystemExit(run(cli.parse_args()))

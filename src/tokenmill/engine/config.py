@@ -34,6 +34,8 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 2.0  # KV budget on CPU, where free memory is not a safe guide
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    chunked_prefill: bool = False  # split long prompts across steps, alongside running decodes
+    prefill_chunk_size: int | None = None  # cap on one request's prompt tokens per step (None: the budget)
     attention_backend: str = "torch"
 
     def __post_init__(self) -> None:
@@ -71,6 +73,18 @@ class EngineConfig:
             "attention_backend",
             "one of ('torch',)",
             self.attention_backend,
+        )
+        _require(
+            self.prefill_chunk_size is None or self.prefill_chunk_size >= 1,
+            "prefill_chunk_size",
+            "at least 1",
+            self.prefill_chunk_size,
+        )
+        _require(
+            not (self.chunked_prefill and self.kv_cache == "none"),
+            "chunked_prefill",
+            "off when kv_cache is 'none' (a recomputed sequence has no cache to continue from)",
+            self.chunked_prefill,
         )
 
     @property

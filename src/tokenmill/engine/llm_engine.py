@@ -77,10 +77,11 @@ class LLMEngine:
         wanted = self.config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
         if wanted > model_limit:
             raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {model_limit} positions")
-        if self.config.max_num_batched_tokens < wanted:
+        if self.config.max_num_batched_tokens < wanted and not self.config.chunked_prefill:
             raise ValueError(
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) is smaller than "
-                f"max_model_len ({wanted}): a full-length prompt could never be scheduled"
+                f"max_model_len ({wanted}): a full-length prompt could never be scheduled "
+                "(turn on chunked_prefill to split prompts across steps)"
             )
         return wanted
 

@@ -2,8 +2,10 @@
 
 One rule covers every case: each request has ``token_ids`` and ``num_computed_tokens``, and a step
 gives each scheduled request its uncomputed tokens (a whole prompt, or the one token sampled last step)
-under a token budget. Running requests go first, oldest first; when the KV pool cannot hold their next
-tokens the newest running request is preempted (its blocks freed, its tokens kept, recomputed later).
+under a token budget. With ``chunked_prefill`` a prompt may take just what is left of the budget (or
+``prefill_chunk_size``) and continue next step, so long prompts run alongside decodes instead of
+stalling them. Running requests go first, oldest first; when the KV pool cannot hold their next tokens
+the newest running request is preempted (its blocks freed, its tokens kept, recomputed later).
 Waiting requests are then admitted while sequences, tokens and blocks allow. The batching modes differ
 only in admission: ``sequential`` runs one request at a time, ``static`` admits a new batch only once the
 previous one has wholly finished, ``continuous`` admits at every step.
@@ -68,6 +70,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # Oldest first; victims of preemption are taken from the end, so never one scheduled already.
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -76,16 +79,25 @@ class Scheduler:
             self._admit_waiting(budget, out)
         return out
 
-    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        """Tokens ``request`` runs this step: all uncomputed ones, or with chunked prefill as many as the
+        budget allows; 0 when they do not fit."""
         num_tokens = request.num_uncomputed_tokens
-        if num_tokens == 0 or num_tokens > budget:
+        if self.config.chunked_prefill:
+            num_tokens = min(num_tokens, budget, self.config.prefill_chunk_size or num_tokens)
+        return num_tokens if num_tokens <= budget else 0
+
+    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        num_tokens = self._chunk_size(request, budget)
+        if num_tokens == 0:
             return 0
-        while not self._reserve(request, request.num_tokens):
+        end = request.num_computed_tokens + num_tokens
+        while not self._reserve(request, end):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is request:
                 return 0
-        out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, request.num_tokens))
+        out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, end))
         return num_tokens
 
     def _may_admit(self, out: SchedulerOutput) -> bool:
@@ -96,13 +108,14 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and len(self.running) < self.config.max_running:
             request = self.waiting[0]
-            num_tokens = request.num_uncomputed_tokens
-            if num_tokens > budget or not self._reserve(request, request.num_tokens):
+            num_tokens = self._chunk_size(request, budget)
+            end = request.num_computed_tokens + num_tokens
+            if num_tokens == 0 or not self._reserve(request, end):
                 return
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, request.num_tokens))
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, end))
             budget -= num_tokens
 
     def _reserve(self, request: Request, total_tokens: int) -> bool:
