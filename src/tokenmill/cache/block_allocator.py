@@ -90,9 +90,7 @@ class BlockAllocator:
         if self._free:
             block_id = self._free.popleft()
         elif self._cached:
-            block_id, _ = self._cached.popitem(last=False)
-            if self._hook is not None:
-                self._hook.on_evict(block_id)
+            block_id = self._evict_oldest_cached()
         else:
             raise NoFreeBlocksError(1, 0, self.num_blocks)
         self._refcounts[block_id] = 1
@@ -143,12 +141,25 @@ class BlockAllocator:
         del self._cached[block_id]
         self._free.append(block_id)
 
+    def cached_blocks(self) -> list[int]:
+        """The cached block ids in eviction order: least recently released first."""
+        return list(self._cached)
+
+    def evict_cached(self, count: int) -> int:
+        """Free up to ``count`` cached blocks, least recently released first; returns how many it evicted.
+
+        The hook may drop further cached blocks itself (with :meth:`drop_cached`) while it forgets one.
+        """
+        if count < 0:
+            raise ValueError(f"cannot evict a negative number of blocks ({count})")
+        evicted = 0
+        while self._cached and evicted < count:
+            self._free.append(self._evict_oldest_cached())
+            evicted += 1
+        return evicted
+
     def evict_all_cached(self) -> None:
-        while self._cached:
-            block_id, _ = self._cached.popitem(last=False)
-            if self._hook is not None:
-                self._hook.on_evict(block_id)
-            self._free.append(block_id)
+        self.evict_cached(self.num_cached)
 
     def check_integrity(self) -> None:
         """Raise :class:`CacheIntegrityError` if free list, cache and refcounts disagree. O(num_blocks)."""
@@ -162,6 +173,12 @@ class BlockAllocator:
         _expect(len(used) == self._num_used, f"num_used is {self._num_used} but {len(used)} blocks are used")
         accounted = len(free) + len(self._cached) + len(used)
         _expect(accounted == self.num_blocks, f"{accounted} blocks accounted for, of {self.num_blocks}")
+
+    def _evict_oldest_cached(self) -> int:
+        block_id, _ = self._cached.popitem(last=False)
+        if self._hook is not None:
+            self._hook.on_evict(block_id)
+        return block_id
 
     def _release(self, block_id: int) -> None:
         if self._hook is not None and self._hook.should_retain(block_id):

@@ -35,6 +35,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     chunked_prefill: bool = False  # split long prompts across steps, alongside running decodes
+    prefix_caching: bool = False  # reuse the KV blocks of prompt prefixes seen before (radix tree, LRU)
+    debug_checks: bool = False  # check allocator + prefix-tree integrity after every step
     prefill_chunk_size: int | None = None  # cap on one request's prompt tokens per step (None: the budget)
     attention_backend: str = "torch"
 
@@ -79,6 +81,12 @@ class EngineConfig:
             "prefill_chunk_size",
             "at least 1",
             self.prefill_chunk_size,
+        )
+        _require(
+            not (self.prefix_caching and self.kv_cache != "paged"),
+            "prefix_caching",
+            "off unless kv_cache is 'paged' (cached prefixes are shared blocks)",
+            self.prefix_caching,
         )
         _require(
             not (self.chunked_prefill and self.kv_cache == "none"),

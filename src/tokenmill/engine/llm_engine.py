@@ -200,10 +200,13 @@ class LLMEngine:
         for chunk in scheduled.chunks:
             request = chunk.request
             request.num_computed_tokens = 0 if recompute else chunk.end
+            self.scheduler.cache_computed_blocks(request)
             request.prompt_logprobs.extend(result.prompt_logprobs.get(request, []))
             if request in result.sampled:
                 token, logprob = result.sampled[request]
                 deltas.append(self._append_token(request, token, logprob))
+        if self.config.debug_checks:
+            self.scheduler.check_integrity()
         return self._forget_finished(deltas)
 
     def _append_token(self, request: Request, token: int, logprob: RowLogprobs | None) -> RequestDelta:
@@ -247,6 +250,7 @@ class LLMEngine:
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _forget_finished(self, deltas: list[RequestDelta]) -> list[RequestDelta]:

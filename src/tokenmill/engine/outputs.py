@@ -45,6 +45,7 @@ class RequestOutput:
             output.logprobs = (output.logprobs or []) + delta.new_logprobs
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         output.finish_reason = delta.finish_reason
         output.stop_reason = delta.stop_reason
 
@@ -62,6 +63,7 @@ class RequestDelta:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[RowLogprobs | None] | None = None  # once, with the first delta
 
     @property

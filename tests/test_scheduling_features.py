@@ -1,0 +1,96 @@
+"""Chunked prefill × prefix caching × preemption: greedy outputs must not change with any combination,
+and the allocator + prefix tree stay consistent after every step (``debug_checks``)."""
+
+import itertools
+import random
+
+import pytest
+from engine_helpers import engine_for
+
+from tokenmill import SamplingParams
+from tokenmill.engine.greedy import greedy_generate
+from tokenmill.loading import load_model
+
+COMBINATIONS = list(itertools.product([False, True], repeat=3))  # chunked, prefix caching, tight pool
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_folder):  # type: ignore[no-untyped-def]
+    return load_model(tiny_llama_folder, dtype="float32")
+
+
+def shared_prefix_workload(rng: random.Random) -> dict[str, tuple[list[int], int]]:
+    """Requests built from a few shared system prompts and multi-turn histories, plus unrelated ones."""
+    prefixes = [[rng.randrange(3, 384) for _ in range(rng.randint(9, 20))] for _ in range(3)]
+    workload = {}
+    for i in range(16):
+        prefix = rng.choice(prefixes) if i % 4 else []
+        suffix = [rng.randrange(3, 384) for _ in range(rng.randint(1, 8))]
+        workload[f"r{i}"] = (prefix + suffix, rng.randint(1, 12))
+    return workload
+
+
+@pytest.mark.parametrize(("chunked", "prefix_caching", "tight_pool"), COMBINATIONS)
+def test_greedy_outputs_do_not_depend_on_scheduling_features(
+    tiny, chunked, prefix_caching, tight_pool
+) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(7)
+    workload = shared_prefix_workload(rng)
+    engine = engine_for(
+        tiny,
+        kv_cache="paged",
+        block_size=4,
+        num_kv_blocks=10 if tight_pool else 200,
+        max_num_seqs=6,
+        max_num_batched_tokens=24 if chunked else 64,
+        max_model_len=48,
+        chunked_prefill=chunked,
+        prefill_chunk_size=5 if chunked else None,
+        prefix_caching=prefix_caching,
+        debug_checks=True,
+    )
+    arrivals = list(workload)
+    outputs: dict[str, list[int]] = {rid: [] for rid in workload}
+    while arrivals or engine.has_unfinished_requests():
+        for _ in range(rng.randint(1, 3)):
+            if arrivals:
+                rid = arrivals.pop(0)
+                prompt, max_tokens = workload[rid]
+                engine.add_request(
+                    rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                )
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+    for rid, (prompt, max_tokens) in workload.items():
+        assert outputs[rid] == greedy_generate(tiny.model, prompt, max_tokens).token_ids, rid
+    manager = engine.kv_cache.manager
+    assert manager.num_free_blocks == manager.num_blocks
+    assert (engine.scheduler.num_preemptions > 0) == tight_pool
+    cache = engine.scheduler.prefix_cache
+    assert (cache is not None and cache.hit_tokens > 0) == prefix_caching
+
+
+def test_prefix_hit_reports_cached_tokens_and_skips_their_compute(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine = engine_for(tiny, kv_cache="paged", block_size=4, num_kv_blocks=64, prefix_caching=True)
+    prompt = list(range(10, 31))  # 21 tokens: 5 full blocks
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("first", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("second", prompt, params)
+    scheduled = engine.scheduler.schedule()
+    (chunk,) = scheduled.chunks
+    assert (chunk.start, chunk.end) == (20, 21), "all five full blocks come from the cache"
+    assert chunk.request.num_cached_tokens == 20
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine = engine_for(tiny, kv_cache="paged", block_size=4, num_kv_blocks=64, prefix_caching=True)
+    prompt = list(range(10, 26))  # exactly 4 blocks
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("b", prompt, params)
+    (chunk,) = engine.scheduler.schedule().chunks
+    assert (chunk.start, chunk.end) == (12, 16)
