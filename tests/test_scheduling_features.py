@@ -5,8 +5,8 @@ import itertools
 import random
 
 import pytest
-from engine_helpers import engine_for
 
+from engine_helpers import engine_for
 from tokenmill import SamplingParams
 from tokenmill.engine.greedy import greedy_generate
 from tokenmill.loading import load_model
