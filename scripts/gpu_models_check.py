@@ -66,6 +66,7 @@ def tiny_cases(device: str, dtype: torch.dtype) -> list[dict]:
         ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
         ours = load_model(folder, device=device, dtype=dtype).model
         rows.append(compare(f"tiny {name} {str(dtype)[6:]}", ours, ref, prompts, device))
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -77,8 +78,29 @@ def gguf_cases(path: Path, device: str, dtype: torch.dtype) -> list[dict]:
     ours = load_model(path, device=device, dtype=dtype)
     row = compare(f"{path.name} {str(dtype)[6:]}", ours.model, ref, prompts, device)
     row["load_s"] = round(time.perf_counter() - start, 1)
-    del ref
+    print(row, flush=True)
     return [row]
+
+
+def engine_case(path: Path, device: str) -> dict:
+    """The batched engine on the device: greedy outputs equal the single-sequence loop's."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(path), device=device, dtype="bfloat16", max_model_len=512, num_kv_blocks=512)
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(PROMPTS, params)
+    seconds = time.perf_counter() - start
+    model = llm.engine.loaded.model
+    same = [
+        o.outputs[0].token_ids == greedy_generate(model, tokenizer.encode(p), 32).token_ids
+        for o, p in zip(outputs, PROMPTS, strict=True)
+    ]
+    print(f"engine {path.name} bf16: {outputs[0].outputs[0].text!r}")
+    row = {"case": f"engine {path.name} bf16 batch {len(PROMPTS)}", "identical": all(same), "seconds": seconds}
+    print(row, flush=True)
+    return row
 
 
 def main() -> int:
@@ -95,8 +117,7 @@ def main() -> int:
         rows += tiny_cases(args.device, dtype)
         for path in args.gguf:
             rows += gguf_cases(path, args.device, dtype)
-    for row in rows:
-        print(row, flush=True)
+    rows += [engine_case(path, args.device) for path in args.gguf]
     failed = [r["case"] for r in rows if "float32" in r["case"] and not r["identical"]]
     report = measure_load_memory(args.dummy_preset, args.device, "bfloat16", load_format="dummy")
     print(
