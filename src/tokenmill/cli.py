@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: ``generate``, ``chat`` and ``bench``.
+"""The ``tokenmill`` command: ``generate``, ``chat``, ``serve`` and ``bench``.
 
 Bad input (an unknown flag value, a prompt longer than the context, ...) ends with one clear line on
 stderr and a non-zero exit status, never a traceback.
@@ -6,6 +6,7 @@ stderr and a non-zero exit status, never a traceback.
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -22,6 +23,7 @@ BENCHMARKS = {
     "latency": "tokenmill.benchmarks.latency",
     "throughput": "tokenmill.benchmarks.throughput",
     "load-memory": "tokenmill.benchmarks.load_memory",
+    "serve": "tokenmill.benchmarks.serve",
 }
 
 
@@ -137,6 +139,48 @@ def run_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("TOKENMILL_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY, else no key)",
+    )
+    group.add_argument(
+        "--max-waiting", type=int, default=None, help="sequences allowed to wait for a slot; more get a 503"
+    )
+    group.add_argument(
+        "--request-timeout", type=float, default=None, help="seconds before a request is aborted with a 504"
+    )
+    group.add_argument("--served-model-name", default=None, help="the model name clients send")
+    levels = ["critical", "error", "warning", "info", "debug"]
+    group.add_argument("--log-level", default="info", choices=levels)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from tokenmill.server import ServerSettings, create_app, default_served_model_name, serve
+
+    if args.max_waiting is not None and args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    engine = LLMEngine(engine_config_from(args))
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or default_served_model_name(engine),
+        api_key=args.api_key or None,
+        max_waiting=args.max_waiting,
+        request_timeout_s=args.request_timeout,
+    )
+    url = f"http://{args.host}:{args.port}"
+    print(f"tokenmill: serving '{settings.served_model_name}' on {url}", file=sys.stderr)
+    serve(create_app(engine, settings), args.host, args.port, args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tokenmill", description="An LLM inference engine, from scratch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(chat)
     add_sampling_arguments(chat)
     chat.set_defaults(handler=run_chat)
+    server = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, ...)")
+    add_server_arguments(server)
+    add_engine_arguments(server)
+    server.set_defaults(handler=run_serve)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
     for name, module in BENCHMARKS.items():
         sub = bench.add_parser(name, help=f"the {name} benchmark")

@@ -1,0 +1,93 @@
+"""Attention in Triton kernels: the new K/V are written into the paged pool by one kernel, then attention
+reads them in place through the block tables (no gather, no padding, no mask tensor).
+
+* decode steps (every sequence has one new token) use split-K paged decoding;
+* prefill, chunked prefill and mixed batches use the variable-length causal kernel;
+* without a KV cache, whole packed sequences attend to themselves.
+
+Same semantics as :class:`~tokenmill.attention.torch_backend.TorchAttentionBackend`; needs
+``tokenmill.kernels.triton_available()`` (a CUDA device, or ``TRITON_INTERPRET=1``).
+"""
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend, AttentionLayer
+from tokenmill.attention.context import AttentionMetadata, KVCacheLayer
+from tokenmill.kernels.kv_write import write_kv
+from tokenmill.kernels.paged_attention import (
+    DecodeConfig,
+    PrefillConfig,
+    check_head_dim,
+    paged_decode_attention,
+    paged_prefill_attention,
+    varlen_attention,
+)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(
+        self,
+        decode_partition_size: int | None = None,
+        decode_config: DecodeConfig | None = None,
+        prefill_config: PrefillConfig | None = None,
+    ) -> None:
+        """The arguments override the kernels' tile choices (for tuning and tests); None picks defaults."""
+        self.decode_partition_size = decode_partition_size
+        self.decode_config = decode_config
+        self.prefill_config = prefill_config
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: KVCacheLayer | None,
+    ) -> torch.Tensor:
+        check_head_dim(layer.head_dim)
+        window = layer.sliding_window
+        if kv_cache is None:
+            return varlen_attention(
+                query,
+                key,
+                value,
+                metadata.query_start_loc,
+                layer.scale,
+                window,
+                self.prefill_config,
+                metadata.derived,
+            )
+        slot_mapping, block_tables = _require_paging(metadata)
+        write_kv(key, value, kv_cache.key, kv_cache.value, slot_mapping)
+        if metadata.max_query_len == 1 and query.shape[0] == metadata.num_seqs:
+            return paged_decode_attention(
+                query,
+                kv_cache.key,
+                kv_cache.value,
+                block_tables,
+                metadata.seq_lens,
+                metadata.max_seq_len,
+                layer.scale,
+                window,
+                self.decode_partition_size,
+                self.decode_config,
+            )
+        return paged_prefill_attention(
+            query,
+            kv_cache.key,
+            kv_cache.value,
+            block_tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            layer.scale,
+            window,
+            self.prefill_config,
+            metadata.derived,
+        )
+
+
+def _require_paging(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    if metadata.slot_mapping is None or metadata.block_tables is None:
+        raise ValueError("attention with a KV cache needs metadata.slot_mapping and metadata.block_tables")
+    return metadata.slot_mapping, metadata.block_tables

@@ -1,0 +1,720 @@
+"""Causal attention over packed variable-length queries, reading K/V in place from the paged pool.
+
+The pool is ``[num_blocks, block_size, Hkv, D]``; position ``p`` of sequence ``b`` lives in block
+``block_tables[b, p // block_size]`` at offset ``p % block_size``. A query's absolute position is
+``seq_len - query_len + i``; it sees keys ``p <= pos`` with ``p > pos - sliding_window`` when windowed.
+
+Both kernels put the query heads that share a KV head into one program (GQA), so each K/V tile is loaded
+once for the whole group, and keep a running (max, sum) softmax in base 2 (the scale folds in log2 e).
+
+* Decode (one query per sequence): flash-decoding. The context is cut into partitions, one program
+  per (sequence, KV head, partition), so a single long sequence still fills the GPU; a second kernel
+  merges the partitions' partial outputs by their softmax maxima and sums.
+* Prefill / mixed batches: each program takes a tile of consecutive query tokens of one sequence
+  (times the group's heads as rows); key tiles that every row sees skip the mask.
+"""
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels._common import cdiv, next_power_of_2, require_unit_last_stride, sm_count
+
+LOG2E = math.log2(math.e)
+MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows on the GPU
+DECODE_PROGRAMS_PER_SM = 4  # split decode until about this many programs per SM...
+DECODE_MIN_PARTITION = 256  # ...but not into partitions shorter than this...
+DECODE_MAX_SPLITS = 64  # ...nor into more than this many
+
+
+class PrefillConfig(NamedTuple):
+    block_m: int  # rows of a query tile: tokens_per_tile * group (query tokens x heads of a group)
+    block_n: int  # keys per step
+    num_warps: int
+    num_stages: int
+
+
+class DecodeConfig(NamedTuple):
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    if dtype == torch.float32:  # exact (non-TF32) float32 dots need small tiles to avoid register spills
+        return PrefillConfig(32, 32 if head_dim <= 128 else 16, 8, 1)
+    if head_dim <= 128:  # two warpgroups: half the registers per thread of one (no spills at d=128)
+        return PrefillConfig(128, 64, 8, 2)
+    return PrefillConfig(64, 32, 8, 2)
+
+
+def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    if dtype == torch.float32:  # see default_prefill_config
+        return DecodeConfig(32 if head_dim <= 128 else 16, 8, 1)
+    return DecodeConfig(64 if head_dim <= 128 else 32, 4, 2)
+
+
+# -- kernel building blocks -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_offsets(
+    block_table_ptr: tl.tensor,
+    kv_base_row: tl.tensor,
+    positions: tl.tensor,
+    in_range: tl.tensor,
+    block_stride: int,
+    slot_stride: int,
+    paged: tl.constexpr,
+    block_size: tl.constexpr,
+) -> tl.tensor:
+    """Element offsets of the K/V rows holding ``positions`` of one sequence: through its block-table
+    row when paged, else rows ``kv_base_row + position`` of packed K/V (``block_stride`` = row stride)."""
+    if paged:
+        block_ids = tl.load(block_table_ptr + positions // block_size, mask=in_range, other=0).to(tl.int64)
+        offsets = block_ids * block_stride + (positions % block_size) * slot_stride
+    else:
+        offsets = (kv_base_row + positions).to(tl.int64) * block_stride
+    return offsets
+
+
+@triton.jit
+def _load_kv_tile(
+    base_ptr: tl.tensor, offsets: tl.tensor, dims: tl.tensor, in_range: tl.tensor, masked: tl.constexpr
+) -> tl.tensor:
+    ptrs = base_ptr + offsets[:, None] + dims[None, :]
+    return tl.load(ptrs, mask=in_range[:, None], other=0.0) if masked else tl.load(ptrs)
+
+
+@triton.jit
+def _softmax_step(
+    scores: tl.tensor,
+    row_max: tl.tensor,
+    row_sum: tl.tensor,
+    acc: tl.tensor,
+    v: tl.tensor,
+    precision: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Fold one tile of base-2 scores ``[M, N]`` and values ``[N, D]`` into the running max, sum and
+    unnormalized output."""
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen no visible key yet
+    alpha = tl.exp2(row_max - safe_max)
+    p = tl.exp2(scores - safe_max[:, None])
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
+    return new_max, row_sum, acc
+
+
+@triton.jit
+def _attend_range(
+    q: tl.tensor,
+    row_max: tl.tensor,
+    row_sum: tl.tensor,
+    acc: tl.tensor,
+    query_pos: tl.tensor,
+    key_base: tl.tensor,
+    value_base: tl.tensor,
+    block_table_ptr: tl.tensor,
+    kv_base_row: tl.tensor,
+    start_pos: tl.tensor,
+    end_pos: tl.tensor,
+    scale_log2: float,
+    window: int,
+    block_stride: int,
+    slot_stride: int,
+    block_n: tl.constexpr,
+    head_dim: tl.constexpr,
+    block_size: tl.constexpr,
+    paged: tl.constexpr,
+    has_window: tl.constexpr,
+    masked: tl.constexpr,
+    precision: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Attend the query rows to key positions ``[start_pos, end_pos)``; unless ``masked``, every row
+    must see every one of them and the range must be a whole number of tiles."""
+    dims = tl.arange(0, head_dim)
+    for start in range(start_pos, end_pos, block_n):
+        positions = start + tl.arange(0, block_n)
+        in_range = positions < end_pos
+        offsets = _kv_offsets(
+            block_table_ptr, kv_base_row, positions, in_range, block_stride, slot_stride, paged, block_size
+        )
+        k = _load_kv_tile(key_base, offsets, dims, in_range, masked)
+        scores = tl.dot(q, tl.trans(k), input_precision=precision) * scale_log2
+        if masked:
+            visible = (positions[None, :] <= query_pos[:, None]) & in_range[None, :]
+            if has_window:
+                visible = visible & (positions[None, :] > query_pos[:, None] - window)
+            scores = tl.where(visible, scores, float("-inf"))
+        v = _load_kv_tile(value_base, offsets, dims, in_range, masked)
+        row_max, row_sum, acc = _softmax_step(scores, row_max, row_sum, acc, v, precision)
+    return row_max, row_sum, acc
+
+
+# -- decode ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["window", "partition_size", "num_splits"])
+def _decode_kernel(
+    query_ptr: tl.tensor,
+    key_pool_ptr: tl.tensor,
+    value_pool_ptr: tl.tensor,
+    block_tables_ptr: tl.tensor,
+    seq_lens_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    part_out_ptr: tl.tensor,
+    part_max_ptr: tl.tensor,
+    part_sum_ptr: tl.tensor,
+    scale_log2: float,
+    window: int,
+    partition_size: int,
+    num_query_heads: int,
+    num_splits: int,
+    query_token_stride: int,
+    query_head_stride: int,
+    out_token_stride: int,
+    out_head_stride: int,
+    block_table_stride: int,
+    pool_block_stride: int,
+    pool_slot_stride: int,
+    pool_head_stride: int,
+    group: tl.constexpr,
+    group_block: tl.constexpr,
+    head_dim: tl.constexpr,
+    block_n: tl.constexpr,
+    block_size: tl.constexpr,
+    has_window: tl.constexpr,
+    split: tl.constexpr,
+    precision: tl.constexpr,
+) -> None:
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    partition = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_start = tl.maximum(seq_len - window, 0) if has_window else 0
+    lo = context_start + partition * partition_size
+    hi = tl.minimum(lo + partition_size, seq_len)
+
+    rows = tl.arange(0, group_block)  # row r is query head kv_head * group + r
+    heads = kv_head * group + rows
+    row_ok = rows < group
+    dims = tl.arange(0, head_dim)
+    q_ptrs = query_ptr + seq * query_token_stride + heads[:, None] * query_head_stride + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    row_max = tl.full([group_block], float("-inf"), tl.float32)
+    row_sum = tl.zeros([group_block], tl.float32)
+    acc = tl.zeros([group_block, head_dim], tl.float32)
+    query_pos = tl.zeros([group_block], tl.int32) + seq_len - 1
+    row_max, row_sum, acc = _attend_range(
+        q,
+        row_max,
+        row_sum,
+        acc,
+        query_pos,
+        key_pool_ptr + kv_head * pool_head_stride,
+        value_pool_ptr + kv_head * pool_head_stride,
+        block_tables_ptr + seq * block_table_stride,
+        0,
+        lo,
+        hi,
+        scale_log2,
+        window,
+        pool_block_stride,
+        pool_slot_stride,
+        block_n,
+        head_dim,
+        block_size,
+        True,
+        False,  # the window is already applied through lo
+        True,
+        precision,
+    )
+    # row_sum is 0 only in a partition past the end of a shorter sequence's context.
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    if split:
+        part = (seq * num_query_heads + heads) * num_splits + partition
+        tl.store(part_out_ptr + part[:, None] * head_dim + dims[None, :], out, mask=row_ok[:, None])
+        tl.store(part_max_ptr + part, row_max, mask=row_ok)
+        tl.store(part_sum_ptr + part, row_sum, mask=row_ok)
+    else:
+        out_ptrs = out_ptr + seq * out_token_stride + heads[:, None] * out_head_stride + dims[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["window", "partition_size", "num_splits"])
+def _decode_reduce_kernel(
+    part_out_ptr: tl.tensor,
+    part_max_ptr: tl.tensor,
+    part_sum_ptr: tl.tensor,
+    seq_lens_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    window: int,
+    partition_size: int,
+    num_query_heads: int,
+    num_splits: int,
+    out_token_stride: int,
+    out_head_stride: int,
+    head_dim: tl.constexpr,
+    split_block: tl.constexpr,
+    has_window: tl.constexpr,
+) -> None:
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = tl.minimum(seq_len, window) if has_window else seq_len
+    used = tl.cdiv(context_len, partition_size)  # partitions past the context wrote nothing useful
+    splits = tl.arange(0, split_block)
+    used_mask = splits < used
+    parts = (seq * num_query_heads + head) * num_splits + splits
+    part_max = tl.load(part_max_ptr + parts, mask=used_mask, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + parts, mask=used_mask, other=0.0)
+    # Partition j's output was normalized by its own sum: reweight by sum_j * 2^(max_j - max).
+    weights = tl.exp2(part_max - tl.max(part_max, 0)) * part_sum
+    dims = tl.arange(0, head_dim)
+    outs = tl.load(
+        part_out_ptr + parts[:, None] * head_dim + dims[None, :], mask=used_mask[:, None], other=0.0
+    )
+    out = tl.sum(outs * weights[:, None], 0) / tl.sum(weights, 0)
+    out_ptrs = out_ptr + seq * out_token_stride + head * out_head_stride + dims
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    partition_size: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """One query token per sequence: ``query`` ``[B, Hq, D]`` → ``[B, Hq, D]``.
+
+    ``partition_size`` (keys per split-K program) defaults to a size that gives the GPU enough programs;
+    ``max_seq_len`` bounds ``seq_lens`` and sizes the grid without a device sync.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = _check_pools(query, key_pool, value_pool)
+    config = config or default_decode_config(head_dim, query.dtype)
+    group = num_heads // num_kv_heads
+    max_context = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
+    if partition_size is None:
+        partition_size = _decode_partition_size(max_context, num_seqs * num_kv_heads, query.device)
+    partition_size = cdiv(partition_size, config.block_n) * config.block_n
+    num_splits = max(1, cdiv(max_context, partition_size))
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    partials = _decode_partials(num_seqs, num_heads, num_splits, head_dim, query.device)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        key_pool,
+        value_pool,
+        block_tables,
+        seq_lens,
+        out,
+        *partials,
+        scale * LOG2E,
+        sliding_window or 0,
+        partition_size,
+        num_heads,
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        key_pool.stride(0),
+        key_pool.stride(1),
+        key_pool.stride(2),
+        group=group,
+        group_block=max(MIN_DOT_ROWS, next_power_of_2(group)),
+        head_dim=head_dim,
+        block_n=config.block_n,
+        block_size=key_pool.shape[1],
+        has_window=bool(sliding_window),
+        split=num_splits > 1,
+        precision=_dot_precision(query.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        split_block = next_power_of_2(num_splits)
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            *partials,
+            seq_lens,
+            out,
+            sliding_window or 0,
+            partition_size,
+            num_heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            head_dim=head_dim,
+            split_block=split_block,
+            has_window=bool(sliding_window),
+            num_warps=4 if split_block * head_dim <= 4096 else 8,
+        )
+    return out
+
+
+def _decode_partition_size(max_context: int, base_programs: int, device: torch.device) -> int:
+    wanted_splits = cdiv(DECODE_PROGRAMS_PER_SM * sm_count(device), base_programs)
+    splits = max(1, min(wanted_splits, cdiv(max_context, DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
+    return cdiv(max_context, splits)
+
+
+def _decode_partials(
+    num_seqs: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-partition outputs (normalized), maxima and sums; tiny placeholders when there is one split."""
+    shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1,)
+    part_out = torch.empty(*shape, head_dim if num_splits > 1 else 1, dtype=torch.float32, device=device)
+    part_max = torch.empty(shape, dtype=torch.float32, device=device)
+    part_sum = torch.empty(shape, dtype=torch.float32, device=device)
+    return part_out, part_max, part_sum
+
+
+# -- prefill and mixed batches -------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["window", "num_seqs"])
+def _prefill_kernel(
+    query_ptr: tl.tensor,
+    key_ptr: tl.tensor,
+    value_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    block_tables_ptr: tl.tensor,
+    query_start_ptr: tl.tensor,
+    seq_lens_ptr: tl.tensor,
+    tile_seq_ptr: tl.tensor,
+    tile_index_ptr: tl.tensor,
+    scale_log2: float,
+    window: int,
+    num_seqs: int,
+    query_token_stride: int,
+    query_head_stride: int,
+    out_token_stride: int,
+    out_head_stride: int,
+    block_table_stride: int,
+    kv_block_stride: int,
+    kv_slot_stride: int,
+    kv_head_stride: int,
+    group: tl.constexpr,
+    tokens_per_tile: tl.constexpr,
+    block_m: tl.constexpr,
+    block_n: tl.constexpr,
+    head_dim: tl.constexpr,
+    block_size: tl.constexpr,
+    paged: tl.constexpr,
+    has_window: tl.constexpr,
+    precision: tl.constexpr,
+) -> None:
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + program).to(tl.int64)
+    if seq >= num_seqs:  # the grid is sized for the most tiles any batch of this shape can have
+        return
+    tile = tl.load(tile_index_ptr + program)
+    query_start = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    # Row r is query token tile * tokens_per_tile + r // group of the sequence, query head
+    # kv_head * group + r % group; rows past the sequence's last token are padding.
+    rows = tl.arange(0, block_m)
+    tokens = tile * tokens_per_tile + rows // group
+    heads = kv_head * group + rows % group
+    row_ok = (rows < tokens_per_tile * group) & (tokens < query_len)
+    first_pos = context_len + tile * tokens_per_tile
+    last_pos = tl.minimum(first_pos + tokens_per_tile, seq_len) - 1
+    query_pos = tl.minimum(context_len + tokens, last_pos)  # padding rows copy the last query's position
+    dims = tl.arange(0, head_dim)
+    q_rows = (query_start + tokens).to(tl.int64)
+    q_ptrs = query_ptr + q_rows[:, None] * query_token_stride + heads[:, None] * query_head_stride
+    q = tl.load(q_ptrs + dims[None, :], mask=row_ok[:, None], other=0.0)
+
+    # Keys [lo, hi) are visible to some row; [full_lo, first_pos] to every row. The unmasked middle
+    # range is rounded down to whole tiles; the masked ranges around it take the rest.
+    lo = tl.maximum(first_pos - window + 1, 0) if has_window else 0
+    full_lo = tl.maximum(last_pos - window + 1, 0) if has_window else 0
+    hi = last_pos + 1
+    full_hi = full_lo + tl.maximum(first_pos + 1 - full_lo, 0) // block_n * block_n
+
+    row_max = tl.full([block_m], float("-inf"), tl.float32)
+    row_sum = tl.zeros([block_m], tl.float32)
+    acc = tl.zeros([block_m, head_dim], tl.float32)
+    key_base = key_ptr + kv_head * kv_head_stride
+    value_base = value_ptr + kv_head * kv_head_stride
+    table_ptr = block_tables_ptr + seq * block_table_stride
+    kv_base_row = query_start - context_len  # unpaged K/V: packed row of position 0
+    row_max, row_sum, acc = _attend_range(
+        q,
+        row_max,
+        row_sum,
+        acc,
+        query_pos,
+        key_base,
+        value_base,
+        table_ptr,
+        kv_base_row,
+        lo,
+        full_lo,
+        scale_log2,
+        window,
+        kv_block_stride,
+        kv_slot_stride,
+        block_n,
+        head_dim,
+        block_size,
+        paged,
+        has_window,
+        True,
+        precision,
+    )
+    row_max, row_sum, acc = _attend_range(
+        q,
+        row_max,
+        row_sum,
+        acc,
+        query_pos,
+        key_base,
+        value_base,
+        table_ptr,
+        kv_base_row,
+        full_lo,
+        full_hi,
+        scale_log2,
+        window,
+        kv_block_stride,
+        kv_slot_stride,
+        block_n,
+        head_dim,
+        block_size,
+        paged,
+        has_window,
+        False,
+        precision,
+    )
+    row_max, row_sum, acc = _attend_range(
+        q,
+        row_max,
+        row_sum,
+        acc,
+        query_pos,
+        key_base,
+        value_base,
+        table_ptr,
+        kv_base_row,
+        full_hi,
+        hi,
+        scale_log2,
+        window,
+        kv_block_stride,
+        kv_slot_stride,
+        block_n,
+        head_dim,
+        block_size,
+        paged,
+        has_window,
+        True,
+        precision,
+    )
+    out = acc / row_sum[:, None]
+    out_ptrs = out_ptr + q_rows[:, None] * out_token_stride + heads[:, None] * out_head_stride
+    tl.store(out_ptrs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+class PrefillTiles(NamedTuple):
+    """Which (sequence, query tile) each program of the prefill grid takes; surplus programs get
+    sequence ``num_seqs`` and exit."""
+
+    tile_seq: torch.Tensor  # int32 [num_programs]
+    tile_index: torch.Tensor  # int32 [num_programs]
+
+
+def prefill_tiles(query_start_loc: torch.Tensor, num_tokens: int, tokens_per_tile: int) -> PrefillTiles:
+    """The tile map, built on the device without a sync: the grid is the bound
+    ``ceil(T / tokens_per_tile) + B`` on the tile count, whatever the query lengths are."""
+    num_seqs = query_start_loc.shape[0] - 1
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    tiles = (query_lens + tokens_per_tile - 1) // tokens_per_tile
+    tile_ends = torch.cumsum(tiles, 0)
+    programs = torch.arange(cdiv(num_tokens, tokens_per_tile) + num_seqs, device=query_start_loc.device)
+    tile_seq = torch.searchsorted(tile_ends, programs, right=True)
+    first_tile = (tile_ends - tiles)[tile_seq.clamp(max=max(num_seqs - 1, 0))]
+    return PrefillTiles(tile_seq.int(), (programs - first_tile).int())
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    config: PrefillConfig | None = None,
+    derived: dict[Any, Any] | None = None,
+) -> torch.Tensor:
+    """Packed queries ``[T, Hq, D]`` of any lengths (prefill, chunked prefill, decode, mixed) against
+    the cached K/V of their sequences, the new tokens' K/V included (write them first).
+
+    ``derived`` (e.g. ``AttentionMetadata.derived``) caches the tile map across layers.
+    """
+    _check_pools(query, key_pool, value_pool)
+    return _prefill(
+        query,
+        (key_pool, value_pool),
+        (key_pool.stride(0), key_pool.stride(1), key_pool.stride(2)),
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        sliding_window,
+        config,
+        derived,
+        block_size=key_pool.shape[1],
+    )
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    config: PrefillConfig | None = None,
+    derived: dict[Any, Any] | None = None,
+) -> torch.Tensor:
+    """Packed whole sequences with no cache: sequence ``b``'s queries attend causally to its own keys,
+    ``key``/``value`` ``[T, Hkv, D]`` (same strides for both)."""
+    if key.shape != value.shape or key.stride() != value.stride() or key.shape[0] != query.shape[0]:
+        raise ValueError(f"key {list(key.shape)} / value {list(value.shape)} do not match the queries")
+    for name, tensor in (("query", query), ("key", key)):
+        require_unit_last_stride(name, tensor)
+    if key.dtype != query.dtype:
+        raise ValueError(f"query is {query.dtype} but key is {key.dtype}")
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    return _prefill(
+        query,
+        (key, value),
+        (key.stride(0), 0, key.stride(1)),
+        query_start_loc,  # unused block-table pointer
+        query_start_loc,
+        query_lens,  # no context: each sequence is just its queries
+        scale,
+        sliding_window,
+        config,
+        derived,
+        block_size=0,
+    )
+
+
+def _prefill(
+    query: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    kv_strides: tuple[int, int, int],
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    config: PrefillConfig | None,
+    derived: dict[Any, Any] | None,
+    block_size: int,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    group = num_heads // kv[0].shape[-2]
+    config = config or default_prefill_config(head_dim, query.dtype)
+    block_m = max(config.block_m, next_power_of_2(group), MIN_DOT_ROWS)
+    tokens_per_tile = block_m // group
+    tiles = _cached_tiles(query_start_loc, num_tokens, tokens_per_tile, derived)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    _prefill_kernel[(tiles.tile_seq.shape[0], kv[0].shape[-2])](
+        query,
+        kv[0],
+        kv[1],
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        tiles.tile_seq,
+        tiles.tile_index,
+        scale * LOG2E,
+        sliding_window or 0,
+        seq_lens.shape[0],
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        *kv_strides,
+        group=group,
+        tokens_per_tile=tokens_per_tile,
+        block_m=block_m,
+        block_n=config.block_n,
+        head_dim=head_dim,
+        block_size=max(block_size, 1),
+        paged=block_size > 0,
+        has_window=bool(sliding_window),
+        precision=_dot_precision(query.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def _cached_tiles(
+    query_start_loc: torch.Tensor, num_tokens: int, tokens_per_tile: int, derived: dict[Any, Any] | None
+) -> PrefillTiles:
+    if derived is None:
+        return prefill_tiles(query_start_loc, num_tokens, tokens_per_tile)
+    key = (PrefillTiles, num_tokens, tokens_per_tile)
+    if key not in derived:
+        derived[key] = prefill_tiles(query_start_loc, num_tokens, tokens_per_tile)
+    tiles: PrefillTiles = derived[key]
+    return tiles
+
+
+# -- checks ---------------------------------------------------------------------------------------------
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"the Triton attention kernels need a power-of-two head_dim >= 16, got {head_dim}")
+
+
+def _check_pools(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor) -> int:
+    """The number of KV heads, after checking the shapes, dtypes and layouts the kernels assume."""
+    num_heads, head_dim = query.shape[1:]
+    check_head_dim(head_dim)
+    if key_pool.shape != value_pool.shape or key_pool.stride() != value_pool.stride():
+        raise ValueError("the key and value pools must have the same shape and layout")
+    num_kv_heads = key_pool.shape[2]
+    if key_pool.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"pool {list(key_pool.shape)} does not fit {num_heads} query heads of dim {head_dim}"
+        )
+    if key_pool.dtype != query.dtype:
+        raise ValueError(f"query is {query.dtype} but the KV pool is {key_pool.dtype}")
+    for name, tensor in (("query", query), ("key_pool", key_pool)):
+        require_unit_last_stride(name, tensor)
+    return num_kv_heads
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """Full float32 products for float32 inputs (TF32 would miss the reference by ~1e-3)."""
+    return "ieee" if dtype == torch.float32 else "tf32"

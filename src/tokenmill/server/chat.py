@@ -1,0 +1,139 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, streamed or not."""
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tokenmill.errors import TokenmillError
+from tokenmill.server.errors import bad_request
+from tokenmill.server.generation import ChoiceResult, Generation, ServerContext
+from tokenmill.server.logprobs import TokenTexts, chat_logprobs
+from tokenmill.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatMessageOut,
+    DeltaMessage,
+    UsageInfo,
+)
+from tokenmill.server.responses import SSE_DONE, context, json_response_when_done, sse, streaming_response
+from tokenmill.server.sampling import chat_params
+
+router = APIRouter()
+
+
+def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    """The chat template's text for ``messages``; a template or content problem is a 400."""
+    conversation = [_message_dict(message) for message in messages]
+    if not conversation:
+        raise bad_request("messages must hold at least one message", "messages")
+    try:
+        return ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    except TokenmillError as exc:
+        raise bad_request(str(exc), "messages") from None
+    except Exception as exc:  # the template runs on the client's messages, so whatever it raises is theirs
+        raise bad_request(f"the chat template could not render the messages: {exc}", "messages") from None
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    as_dict = message.model_dump(exclude_none=True)
+    if as_dict.get("content") is None:
+        as_dict["content"] = ""
+    return as_dict
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    ctx = context(request)
+    ctx.check_model(body.model)
+    params = chat_params(body)
+    prompt = render_chat(ctx, body.messages, body.add_generation_prompt)
+    generation = await ctx.start([prompt], params, request)
+    view = _ChatView(ctx, body, generation)
+    if body.stream:
+        return await streaming_response(generation, view.chunks())
+    return await json_response_when_done(generation, view.response)
+
+
+class _ChatView:
+    def __init__(self, ctx: ServerContext, body: ChatCompletionRequest, generation: Generation) -> None:
+        self.ctx = ctx
+        self.body = body
+        self.generation = generation
+        self.id = ctx.new_id("chatcmpl")
+        self.token_texts = TokenTexts(ctx.tokenizer)
+        self.num_top = body.top_logprobs or 0
+
+    def response(self, results: list[ChoiceResult]) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=index,
+                message=ChatMessageOut(content=result.text),
+                logprobs=self._logprobs(result),
+                finish_reason=result.finish_reason,
+                stop_reason=result.stop_reason,
+            )
+            for index, result in enumerate(results)
+        ]
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.ctx.created,
+            model=self.ctx.settings.served_model_name,
+            choices=choices,
+            usage=self._usage(sum(len(result.token_ids) for result in results)),
+        )
+
+    def _logprobs(self, result: ChoiceResult) -> ChatLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        return chat_logprobs(result.logprobs, self.token_texts, self.num_top)
+
+    def _usage(self, completion_tokens: int) -> UsageInfo:
+        prompt_tokens = self.generation.num_prompt_tokens
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+    async def chunks(self) -> AsyncIterator[str]:
+        for index in range(self.generation.num_choices):
+            role = DeltaMessage(role="assistant", content="")
+            yield sse(self._chunk([ChatChunkChoice(index=index, delta=role)]))
+        num_tokens = 0
+        async for index, delta in self.generation.deltas():
+            step = ChoiceResult()
+            step.apply(delta)
+            num_tokens += len(delta.new_token_ids)
+            logprobs = self._logprobs(step)
+            if step.text or delta.finished or (logprobs is not None and logprobs.content):
+                yield sse(self._chunk([self._stream_choice(index, step, logprobs)]))
+        if self.body.include_usage:
+            yield sse(self._chunk([], self._usage(num_tokens)))
+        yield SSE_DONE
+
+    def _stream_choice(
+        self, index: int, step: ChoiceResult, logprobs: ChatLogprobs | None
+    ) -> ChatChunkChoice:
+        return ChatChunkChoice(
+            index=index,
+            delta=DeltaMessage(content=step.text),
+            logprobs=logprobs,
+            finish_reason=step.finish_reason,
+            stop_reason=step.stop_reason,
+        )
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id,
+            created=self.ctx.created,
+            model=self.ctx.settings.served_model_name,
+            choices=choices,
+            usage=usage,
+        )

@@ -1,0 +1,202 @@
+"""``POST /v1/completions`` (OpenAI's legacy completions, streamed or not) and ``POST /generate``."""
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tokenmill.engine.sampler import RowLogprobs
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.server.errors import bad_request
+from tokenmill.server.generation import ChoiceResult, Generation, ServerContext
+from tokenmill.server.logprobs import (
+    TokenTexts,
+    completion_logprobs,
+    echo_logprobs,
+    join_completion_logprobs,
+)
+from tokenmill.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    GenerateRequest,
+    PromptInput,
+    UsageInfo,
+)
+from tokenmill.server.responses import SSE_DONE, context, json_response_when_done, sse, streaming_response
+from tokenmill.server.sampling import check_sequence_count, completion_params, make_params
+
+router = APIRouter()
+
+
+def normalise_prompts(prompt: PromptInput) -> list[str | list[int]]:
+    """One text or token id list per prompt."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(item, int) for item in prompt):
+        return [[int(item) for item in prompt]]  # type: ignore[arg-type]
+    return [item if isinstance(item, str) else _token_ids(item) for item in prompt]
+
+
+def _token_ids(item: object) -> list[int]:
+    assert isinstance(item, list)
+    return [int(token) for token in item]
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    ctx = context(request)
+    ctx.check_model(body.model)
+    prompts = normalise_prompts(body.prompt)
+    params = completion_params(body, len(prompts))
+    generation = await ctx.start(prompts, params, request)
+    view = _CompletionView(ctx, body, params, prompts, generation)
+    if body.stream:
+        return await streaming_response(generation, view.chunks())
+    return await json_response_when_done(generation, view.response)
+
+
+class _CompletionView:
+    """Turns one completion request's outputs into OpenAI's response or stream chunks."""
+
+    def __init__(
+        self,
+        ctx: ServerContext,
+        body: CompletionRequest,
+        params: SamplingParams,
+        prompts: list[str | list[int]],
+        generation: Generation,
+    ) -> None:
+        self.ctx = ctx
+        self.body = body
+        self.params = params
+        self.prompts = prompts
+        self.generation = generation
+        self.id = ctx.new_id("cmpl")
+        self.token_texts = TokenTexts(ctx.tokenizer) if ctx.engine.tokenizer is not None else None
+
+    def echo_text(self, prompt_index: int) -> str:
+        prompt = self.prompts[prompt_index]
+        if isinstance(prompt, str):
+            return prompt
+        skip = self.params.skip_special_tokens
+        return self.ctx.tokenizer.decode(prompt, skip_special_tokens=skip)
+
+    def response(self, results: list[ChoiceResult]) -> CompletionResponse:
+        choices = [self._choice(index, result) for index, result in enumerate(results)]
+        return CompletionResponse(
+            id=self.id,
+            created=self.ctx.created,
+            model=self.ctx.settings.served_model_name,
+            choices=choices,
+            usage=self._usage(sum(len(result.token_ids) for result in results)),
+        )
+
+    def _choice(self, index: int, result: ChoiceResult) -> CompletionChoice:
+        prompt_index = index // self.generation.n
+        text = self.echo_text(prompt_index) + result.text if self.body.echo else result.text
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = self._logprobs(prompt_index, result.prompt_logprobs, result, 0)
+        return CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=result.finish_reason,
+            stop_reason=result.stop_reason,
+        )
+
+    def _logprobs(
+        self,
+        prompt_index: int,
+        prompt_entries: list[RowLogprobs | None] | None,
+        result: ChoiceResult,
+        text_offset: int,
+    ) -> CompletionLogprobs:
+        assert self.token_texts is not None
+        generated = completion_logprobs(result.logprobs, self.token_texts, text_offset)
+        if prompt_entries is None:
+            return generated
+        prompt_ids = self.generation.prompt_token_ids[prompt_index]
+        echoed = echo_logprobs(prompt_ids, prompt_entries, self.token_texts)
+        return join_completion_logprobs(echoed, generated)
+
+    def _usage(self, completion_tokens: int) -> UsageInfo:
+        prompt_tokens = self.generation.num_prompt_tokens
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+    async def chunks(self) -> AsyncIterator[str]:
+        num_tokens = [0] * self.generation.num_choices
+        text_offsets = [0] * self.generation.num_choices
+        echo_pending = set(range(self.generation.num_choices)) if self.body.echo else set()
+        async for index, delta in self.generation.deltas():
+            step = ChoiceResult()
+            step.apply(delta)
+            num_tokens[index] += len(delta.new_token_ids)
+            text, prompt_entries = step.text, None
+            if index in echo_pending:
+                echo_pending.discard(index)
+                text = self.echo_text(index // self.generation.n) + text
+                prompt_entries = step.prompt_logprobs
+            logprobs = None
+            if self.body.logprobs is not None:
+                prompt_index = index // self.generation.n
+                logprobs = self._logprobs(prompt_index, prompt_entries, step, text_offsets[index])
+                text_offsets[index] += sum(len(token) for token in logprobs.tokens)
+            if text or delta.finished or (logprobs is not None and logprobs.tokens):
+                yield sse(self._chunk([self._stream_choice(index, text, logprobs, step)]))
+        if self.body.include_usage:
+            yield sse(self._chunk([], self._usage(sum(num_tokens))))
+        yield SSE_DONE
+
+    def _stream_choice(
+        self, index: int, text: str, logprobs: CompletionLogprobs | None, step: ChoiceResult
+    ) -> CompletionChoice:
+        return CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=step.finish_reason,
+            stop_reason=step.stop_reason,
+        )
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.id,
+            created=self.ctx.created,
+            model=self.ctx.settings.served_model_name,
+            choices=choices,
+            usage=usage,
+        )
+
+
+@router.post("/generate", response_model=None)
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    """For curl users: ``{"prompt": ..., "max_tokens": ...}`` in, ``{"text": ...}`` out."""
+    ctx = context(request)
+    ctx.check_model(body.model)
+    check_sequence_count(body.n, 1)
+    params = make_params(body, max_tokens=body.max_tokens)
+    generation = await ctx.start([body.prompt], params, request)
+
+    def build(results: list[ChoiceResult]) -> dict[str, Any]:
+        completion_tokens = sum(len(result.token_ids) for result in results)
+        return {
+            "text": results[0].text,
+            "choices": [{"text": r.text, "finish_reason": r.finish_reason} for r in results],
+            "usage": {
+                "prompt_tokens": generation.num_prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": generation.num_prompt_tokens + completion_tokens,
+            },
+        }
+
+    return await json_response_when_done(generation, build)

@@ -1,0 +1,249 @@
+"""One HTTP request's generation: its prompts × n sequences, from admission to the last delta.
+
+``ServerContext.start`` admits a request (model name, the waiting bound), hands its prompts to the engine
+loop and waits until they are queued (or refused: a 400 with the engine's message). ``Generation`` then
+yields ``(choice index, delta)`` pairs; it raises ``APIError`` on a timeout (504), an engine failure (500),
+or, while a watched client is gone, ``ClientDisconnectedError``. Whatever way it ends, ``close()`` aborts the
+sequences still running, so their KV blocks are freed at once.
+"""
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+from starlette.requests import Request
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.outputs import RequestDelta
+from tokenmill.engine.sampler import RowLogprobs
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.server.engine_loop import (
+    Accepted,
+    EngineLoop,
+    EngineLoopStoppedError,
+    Failed,
+    PromptSpec,
+    RequestStream,
+    StreamItem,
+)
+from tokenmill.server.errors import APIError
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.tokenizer import Tokenizer
+
+# How often a waiting handler checks its client and deadline.
+_POLL_S = 0.1
+RETRY_AFTER_S = 1
+
+
+class ClientDisconnectedError(Exception):
+    """The client went away before its answer was ready."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_waiting: int | None = None  # sequences allowed to wait for a slot; None: no bound
+    request_timeout_s: float | None = None  # None: no limit
+
+
+@dataclass
+class ChoiceResult:
+    """One choice's whole output, accumulated from its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[RowLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[RowLogprobs | None] | None = None
+
+    def apply(self, delta: RequestDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.text += delta.new_text
+        self.token_ids.extend(delta.new_token_ids)
+        self.logprobs.extend(delta.new_logprobs or [])
+        self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
+
+
+class ServerContext:
+    """What the routes share: the engine loop, its settings and metrics, and the tokenizer."""
+
+    def __init__(self, engine: LLMEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = ServerMetrics(lambda: self.engine_loop.stats())
+        self.engine_loop = EngineLoop(engine, self.metrics)
+        self.created = int(time.time())
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise APIError(HTTPStatus.BAD_REQUEST, "this model has no tokenizer: send token ids")
+        return self.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise APIError(
+                HTTPStatus.NOT_FOUND,
+                f"the model '{model}' does not exist; this server serves '{self.settings.served_model_name}'",
+                "model",
+            )
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+    async def start(
+        self, prompts: Sequence[str | list[int]], params: SamplingParams, client: Request
+    ) -> "Generation":
+        """Admit and queue the prompts; returns once the engine has accepted all of them."""
+        self._check_capacity(len(prompts) * params.n)
+        base = f"req-{next(self._ids)}"
+        specs = [PromptSpec(f"{base}-{i}", prompt, params) for i, prompt in enumerate(prompts)]
+        generation = Generation(self.engine_loop, specs, params.n, self._deadline(), client)
+        try:
+            self.engine_loop.submit(specs, generation.stream)
+        except EngineLoopStoppedError as exc:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from None
+        try:
+            await generation.wait_accepted()
+        except BaseException:
+            generation.close()
+            raise
+        return generation
+
+    def _check_capacity(self, num_sequences: int) -> None:
+        if not self.engine_loop.is_healthy:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the engine loop is not running")
+        max_waiting = self.settings.max_waiting
+        if max_waiting is None:
+            return
+        stats, queued = self.engine_loop.load()
+        in_flight = stats.num_running + stats.num_waiting + queued
+        would_wait = in_flight + num_sequences - self.engine.config.max_running
+        if would_wait > max_waiting:
+            raise APIError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"the server is at capacity ({stats.num_waiting + queued} sequences waiting, "
+                f"bound {max_waiting}); retry later",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+
+    def _deadline(self) -> float | None:
+        timeout = self.settings.request_timeout_s
+        return None if timeout is None else asyncio.get_running_loop().time() + timeout
+
+
+class Generation:
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        specs: list[PromptSpec],
+        n: int,
+        deadline: float | None,
+        client: Request | None,
+    ) -> None:
+        self.engine_loop = engine_loop
+        self.n = n
+        self.deadline = deadline
+        self.client = client  # watched for a disconnect while set
+        self.stream = RequestStream()
+        self.prompt_index = {spec.request_id: index for index, spec in enumerate(specs)}
+        self.prompt_token_ids: list[list[int]] = []
+        self.num_choices = len(specs) * n
+        self._num_finished = 0
+        self._buffered: list[tuple[int, RequestDelta]] = []
+        self._closed = False
+        self._next_poll = 0.0  # event loop time of the next client / engine liveness check
+
+    @property
+    def finished(self) -> bool:
+        return self._num_finished == self.num_choices
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompt_token_ids)
+
+    async def wait_accepted(self) -> None:
+        item = await self._next_item()
+        if not isinstance(item, Accepted):
+            raise _unexpected(item)
+        self.prompt_token_ids = item.prompt_token_ids
+
+    async def wait_first_delta(self) -> None:
+        """Wait for the first output, so that an early failure can still be answered with its status."""
+        if not self._buffered and not self.finished:
+            self._buffered.append(await self._next_delta())
+
+    def stop_watching_client(self) -> None:
+        """From now on a disconnect is noticed by the response (a streaming one is cancelled)."""
+        self.client = None
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """``(choice index, delta)`` pairs until every sequence has finished."""
+        while self._buffered:
+            yield self._buffered.pop(0)
+        while not self.finished:
+            yield await self._next_delta()
+
+    async def collect(self) -> list[ChoiceResult]:
+        results = [ChoiceResult() for _ in range(self.num_choices)]
+        async for index, delta in self.deltas():
+            results[index].apply(delta)
+        return results
+
+    def close(self) -> None:
+        """Abort whatever is still running (no-op once finished); safe to call more than once."""
+        if not self._closed and not self.finished:
+            self.engine_loop.abort(list(self.prompt_index))
+        self._closed = True
+
+    async def _next_delta(self) -> tuple[int, RequestDelta]:
+        item = await self._next_item()
+        if not isinstance(item, RequestDelta):
+            raise _unexpected(item)
+        if item.finished:
+            self._num_finished += 1
+        return self.prompt_index[item.request_id] * self.n + item.index, item
+
+    async def _next_item(self) -> StreamItem:
+        queue = self.stream.queue
+        while True:
+            # Checked on a clock, not only when the queue is idle: a busy engine never lets it idle.
+            await self._check_still_wanted()
+            if not queue.empty():
+                return queue.get_nowait()
+            try:
+                return await asyncio.wait_for(queue.get(), self._poll_interval())
+            except TimeoutError:
+                pass
+
+    def _poll_interval(self) -> float:
+        if self.deadline is None:
+            return _POLL_S
+        return max(0.0, min(_POLL_S, self.deadline - asyncio.get_running_loop().time()))
+
+    async def _check_still_wanted(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if self.deadline is not None and now >= self.deadline:
+            raise APIError(HTTPStatus.GATEWAY_TIMEOUT, "the request took longer than the server's timeout")
+        if now < self._next_poll:
+            return
+        self._next_poll = now + _POLL_S
+        if self.client is not None and await self.client.is_disconnected():
+            raise ClientDisconnectedError()
+        if not self.engine_loop.is_healthy and self.stream.queue.empty():
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the engine loop is not running")
+
+
+def _unexpected(item: StreamItem) -> APIError:
+    if isinstance(item, Failed):
+        return APIError(item.status_code, item.message, item.param)
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"unexpected engine output {type(item).__name__}")

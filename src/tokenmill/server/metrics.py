@@ -1,0 +1,99 @@
+"""Prometheus metrics of the server, in one registry per app (so several apps can live in one process).
+
+Token counters and latency histograms are fed by the engine thread as deltas are routed; the engine's
+state (running / waiting requests, KV cache usage, preemptions) is read when ``/metrics`` is scraped.
+"""
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# The *_created series only repeat the process start time; vLLM drops them too.
+disable_created_metrics()
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's state after the last step, published by the engine thread for readers elsewhere."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+
+
+class _EngineStateCollector(Collector):
+    def __init__(self, read_state: Callable[[], EngineStats]) -> None:
+        self.read_state = read_state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self.read_state()
+        yield GaugeMetricFamily(
+            "tokenmill:num_requests_running", "Sequences in the running batch.", value=state.num_running
+        )
+        yield GaugeMetricFamily(
+            "tokenmill:num_requests_waiting", "Sequences waiting to be scheduled.", value=state.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).", state.kv_cache_usage
+        )
+        yield CounterMetricFamily(
+            "tokenmill:num_preemptions", "Preemptions of running sequences.", value=state.num_preemptions
+        )
+
+
+class ServerMetrics:
+    def __init__(self, read_state: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.prompt_tokens = Counter(
+            "tokenmill:prompt_tokens", "Prompt tokens of accepted requests.", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "tokenmill:generation_tokens", "Generated tokens.", registry=self.registry
+        )
+        self.request_success = Counter(
+            "tokenmill:request_success",
+            "Finished requests, by finish reason.",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "tokenmill:time_to_first_token_seconds",
+            "From arrival to the first generated token.",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "tokenmill:inter_token_latency_seconds",
+            "Between consecutive tokens of one sequence.",
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "tokenmill:e2e_request_latency_seconds",
+            "From arrival to the last token.",
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_EngineStateCollector(read_state))
+
+    def request_finished(self, finish_reason: str, e2e_latency_s: float) -> None:
+        self.request_success.labels(finished_reason=finish_reason).inc()
+        self.e2e_request_latency.observe(e2e_latency_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

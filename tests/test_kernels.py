@@ -1,0 +1,404 @@
+"""The Triton kernels against their PyTorch references, on random inputs of many shapes.
+
+Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set below before triton is
+first imported) on tiny float32 CPU tensors; with CUDA they are compiled and also tested in bfloat16 and
+float16, where attention is judged by its error against a float64 reference, relative to the error of
+the PyTorch reference at the same precision. The module is skipped when triton is not installed.
+"""
+
+import math
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from tokenmill.attention import (
+    AttentionLayer,
+    AttentionMetadata,
+    KVCacheLayer,
+    TorchAttentionBackend,
+)
+from tokenmill.attention.torch_backend import write_kv_cache
+from tokenmill.kernels import interpreter_enabled, triton_available
+
+if not triton_available():
+    pytest.skip("triton cannot run here (no CUDA, TRITON_INTERPRET unset)", allow_module_level=True)
+
+from tokenmill.attention.triton_backend import TritonAttentionBackend
+from tokenmill.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+from tokenmill.kernels.kv_write import write_kv
+from tokenmill.kernels.paged_attention import DecodeConfig, PrefillConfig
+from tokenmill.kernels.rmsnorm import add_rms_norm, rms_norm
+from tokenmill.kernels.rotary import apply_rotary_
+from tokenmill.models.config import RopeConfig
+from tokenmill.models.layers.activation import GeluTanhAndMul, SiluAndMul
+from tokenmill.models.layers.norm import RMSNorm
+from tokenmill.models.layers.rotary import RotaryEmbedding
+
+ON_CUDA = torch.cuda.is_available() and not interpreter_enabled()
+DEVICES = ["cuda"] if ON_CUDA else ["cpu"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16] if ON_CUDA else [torch.float32]
+# Relative error (Frobenius) that attention may always have, whatever the reference's own error.
+ERROR_FLOOR = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+GQA_SHAPES = [(4, 4), (4, 2), (8, 2), (8, 1)]  # query heads per KV head: 1, 2, 4, 8
+HEAD_DIMS = [64, 128, 256]
+# Attention: every GQA ratio x head dim x window at the main dtype; on CUDA also a few shapes in the
+# other dtypes (same code, other tiles), which keeps the number of kernels to compile reasonable.
+MAIN_DTYPE = torch.bfloat16 if ON_CUDA else torch.float32
+OTHER_DTYPES = [torch.float32, torch.float16] if ON_CUDA else []
+# Tiny tiles make the interpreter cover split partitions, unmasked key tiles and many query tiles.
+SMALL_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+SMALL_DECODE = DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def dtype(request: pytest.FixtureRequest) -> torch.dtype:
+    dtype: torch.dtype = request.param
+    return dtype
+
+
+def assert_matches_layer(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """The kernels round where the layers do, but their float32 sums and transcendentals (and the GPU's
+    fused multiply-adds) may differ in the last bit. Where terms cancel (rotary's x1*cos - x2*sin) that
+    last bit is one ulp of the *operands*, so half-precision results get an absolute tolerance of one
+    ulp of the largest value."""
+    if expected.dtype in (torch.float16, torch.bfloat16):
+        ulp_of_largest = torch.finfo(expected.dtype).eps * float(expected.abs().max())
+        rtol = 2e-3 if expected.dtype == torch.float16 else 1.6e-2
+        torch.testing.assert_close(out, expected, rtol=rtol, atol=ulp_of_largest)
+    else:
+        torch.testing.assert_close(out, expected)
+
+
+def test_triton_available_here() -> None:
+    assert triton_available("cuda" if ON_CUDA else "cpu")
+
+
+# -- elementwise kernels -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (5, 96), (3, 4, 64), (2, 1000)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm(device: str, dtype: torch.dtype, shape: tuple[int, ...], unit_offset: bool) -> None:
+    torch.manual_seed(0)
+    norm = _rms_norm_layer(shape[-1], unit_offset, dtype, device)
+    x = torch.randn(shape, dtype=dtype, device=device)
+    assert_matches_layer(rms_norm(x, norm.weight, norm.eps, unit_offset), norm(x))
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (5, 96), (2, 1000)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_add_rms_norm(device: str, dtype: torch.dtype, shape: tuple[int, ...], unit_offset: bool) -> None:
+    torch.manual_seed(1)
+    norm = _rms_norm_layer(shape[-1], unit_offset, dtype, device)
+    x = torch.randn(shape, dtype=dtype, device=device)
+    residual = torch.randn(shape, dtype=dtype, device=device)
+    expected_normed, expected_residual = norm(x, residual)
+    normed, new_residual = add_rms_norm(x, residual, norm.weight, norm.eps, unit_offset)
+    assert new_residual is residual  # updated in place
+    torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+    assert_matches_layer(normed, expected_normed)
+
+
+def _rms_norm_layer(dim: int, unit_offset: bool, dtype: torch.dtype, device: str) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-6, unit_offset).to(device=device, dtype=dtype)
+    norm.weight.data.normal_(1.0 if not unit_offset else 0.0, 0.3)
+    return norm
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), GQA_SHAPES[1:])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_rotary_on_fused_qkv_views(
+    device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, num_tokens: int
+) -> None:
+    torch.manual_seed(2)
+    rope = RotaryEmbedding(head_dim, 4096, RopeConfig(theta=500000.0, rope_type="llama3", factor=32.0))
+    rope = rope.to(device)
+    positions = torch.randint(0, 4096, (num_tokens,), device=device)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+    query = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+    key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+    value_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    expected_query, expected_key = rope(positions, query.clone(), key.clone())
+    apply_rotary_(positions, query, key, rope.cos_sin_cache)
+    assert_matches_layer(query, expected_query)
+    assert_matches_layer(key, expected_key)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], value_before)
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (5, 2000), (3, 2, 3000)])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # interpreter's sigmoid
+def test_gated_activation(device: str, dtype: torch.dtype, shape: tuple[int, ...], activation: str) -> None:
+    torch.manual_seed(3)
+    x = 3 * torch.randn(shape, dtype=dtype, device=device)
+    kernel, layer = (
+        (silu_and_mul, SiluAndMul()) if activation == "silu" else (gelu_tanh_and_mul, GeluTanhAndMul())
+    )
+    assert_matches_layer(kernel(x), layer(x))
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize(("kv_heads", "head_dim"), [(1, 64), (2, 128), (3, 256)])
+def test_write_kv_skips_negative_slots(
+    device: str, dtype: torch.dtype, block_size: int, kv_heads: int, head_dim: int
+) -> None:
+    torch.manual_seed(4)
+    pool_shape = (6, block_size, kv_heads, head_dim)
+    k_pool, v_pool = (torch.randn(pool_shape, dtype=dtype, device=device) for _ in range(2))
+    expected = KVCacheLayer(k_pool.clone(), v_pool.clone())
+    slots = torch.randperm(6 * block_size, device=device)[:9]
+    slots[[1, 5]] = -1
+    fused = torch.randn(9, 2, kv_heads, head_dim, dtype=dtype, device=device)  # strided K and V views
+    key, value = fused[:, 0], fused[:, 1]
+    write_kv(key, value, k_pool, v_pool, slots)
+    write_kv_cache(expected, key, value, slots)
+    assert torch.equal(k_pool, expected.key)
+    assert torch.equal(v_pool, expected.value)
+
+
+# -- attention -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class PagedBatch:
+    """New tokens' Q/K/V and a cache holding every sequence's earlier context."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    cache: KVCacheLayer
+    starts: list[int]
+    seq_lens: list[int]
+    slots: list[int]
+    tables: list[list[int]]
+
+    def metadata(self) -> AttentionMetadata:
+        device = self.query.device
+        width = max(len(t) for t in self.tables)
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(self.starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
+            max_query_len=max(b - a for a, b in zip(self.starts, self.starts[1:], strict=False)),
+            max_seq_len=max(self.seq_lens),
+            slot_mapping=torch.tensor(self.slots, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32, device=device
+            ),
+        )
+
+    def cache_copy(self, dtype: torch.dtype | None = None) -> KVCacheLayer:
+        return KVCacheLayer(self.cache.key.clone().to(dtype), self.cache.value.clone().to(dtype))
+
+
+def random_batch(
+    seed: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    mode: str,
+    dtype: torch.dtype,
+    device: str,
+    block_size: int = 16,
+    max_len: int = 60,
+    batch: int | None = None,
+) -> PagedBatch:
+    """``mode``: "decode" (one new token each) or "mixed" (whole prefills, chunks and decodes)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = batch or rng.randint(1, 4)
+    seq_lens = [rng.randint(1, max_len) for _ in range(num_seqs)]
+    if mode == "decode":
+        query_lens = [1] * num_seqs
+    else:
+        query_lens = [rng.choice([1, s, rng.randint(1, s)]) for s in seq_lens]
+    blocks = [math.ceil(s / block_size) for s in seq_lens]
+    free = list(range(sum(blocks) + 2))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in blocks]
+    pool_shape = (sum(blocks) + 2, block_size, kv_heads, head_dim)
+    cache = KVCacheLayer(*(torch.randn(pool_shape, generator=gen).to(device, dtype) for _ in range(2)))
+    slots = [
+        table[pos // block_size] * block_size + pos % block_size
+        for table, s, n in zip(tables, seq_lens, query_lens, strict=True)
+        for pos in range(s - n, s)
+    ]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    new_tokens = starts[-1]
+
+    def rand(num_heads: int) -> torch.Tensor:
+        return torch.randn(new_tokens, num_heads, head_dim, generator=gen).to(device, dtype)
+
+    return PagedBatch(rand(heads), rand(kv_heads), rand(kv_heads), cache, starts, seq_lens, slots, tables)
+
+
+def check_against_reference(
+    batch: PagedBatch, layer: AttentionLayer, backends: list[TritonAttentionBackend], dtype: torch.dtype
+) -> None:
+    """Each backend's output and cache against the PyTorch backend's, at ``dtype`` and in float64."""
+    expected_cache = batch.cache_copy()
+    expected = TorchAttentionBackend().forward(
+        layer, batch.query, batch.key, batch.value, batch.metadata(), expected_cache
+    )
+    exact = expected.double()
+    if dtype != torch.float32:
+        exact = TorchAttentionBackend().forward(
+            layer,
+            batch.query.double(),
+            batch.key.double(),
+            batch.value.double(),
+            batch.metadata(),
+            batch.cache_copy(torch.float64),
+        )
+    for backend in backends:
+        cache = batch.cache_copy()
+        out = backend.forward(layer, batch.query, batch.key, batch.value, batch.metadata(), cache)
+        assert torch.equal(cache.key, expected_cache.key) and torch.equal(cache.value, expected_cache.value)
+        assert_attention_close(out, expected, exact, dtype)
+
+
+def assert_attention_close(
+    out: torch.Tensor, expected: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype
+) -> None:
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    error, reference_error = _relative_error(out, exact), _relative_error(expected, exact)
+    assert error <= max(2 * reference_error, ERROR_FLOOR[dtype]), (error, reference_error)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def _relative_error(value: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((value.double() - exact).norm() / exact.norm().clamp_min(1e-30))
+
+
+def _layer(heads: int, kv_heads: int, head_dim: int, window: int | None) -> AttentionLayer:
+    return AttentionLayer(0, heads, kv_heads, head_dim, head_dim**-0.5, window)
+
+
+AttentionCase = tuple[torch.dtype, int, int, int, int | None]  # dtype, heads, kv heads, head dim, window
+
+
+def attention_cases(window: int) -> list[AttentionCase]:
+    main: list[AttentionCase] = [
+        (MAIN_DTYPE, heads, kv_heads, head_dim, w)
+        for heads, kv_heads in GQA_SHAPES
+        for head_dim in HEAD_DIMS
+        for w in (None, window)
+    ]
+    other: list[AttentionCase] = []
+    for dtype in OTHER_DTYPES:
+        other += [(dtype, 8, 2, 128, None), (dtype, 4, 4, 64, window), (dtype, 8, 1, 256, None)]
+    return main + other
+
+
+def _case_id(case: AttentionCase) -> str:
+    dtype, heads, kv_heads, head_dim, window = case
+    return f"{str(dtype).removeprefix('torch.')}-h{heads}/{kv_heads}-d{head_dim}-w{window}"
+
+
+@pytest.mark.parametrize("case", attention_cases(window=5), ids=_case_id)
+def test_paged_attention_mixed_batches(device: str, case: AttentionCase) -> None:
+    """Prefills, chunked prefills and decodes in one batch, blocks shuffled across the pool."""
+    dtype, heads, kv_heads, head_dim, window = case
+    seed = heads * 1000 + kv_heads * 100 + head_dim + (window or 0)
+    block_size = 16 if seed % 2 else 5
+    batch = random_batch(
+        seed,
+        heads,
+        kv_heads,
+        head_dim,
+        mode="mixed",
+        dtype=dtype,
+        device=device,
+        block_size=block_size,
+        max_len=40,
+    )
+    backends = [TritonAttentionBackend(), TritonAttentionBackend(prefill_config=SMALL_PREFILL)]
+    check_against_reference(batch, _layer(heads, kv_heads, head_dim, window), backends, dtype)
+
+
+@pytest.mark.parametrize("case", attention_cases(window=7), ids=_case_id)
+def test_paged_attention_decode(device: str, case: AttentionCase) -> None:
+    """One new token per sequence, in one program per sequence or split over 16-key partitions."""
+    dtype, heads, kv_heads, head_dim, window = case
+    seed = 7 + heads * 1000 + kv_heads * 100 + head_dim + (window or 0)
+    batch = random_batch(seed, heads, kv_heads, head_dim, mode="decode", dtype=dtype, device=device)
+    backends = [
+        TritonAttentionBackend(),
+        TritonAttentionBackend(decode_partition_size=16, decode_config=SMALL_DECODE),
+    ]
+    check_against_reference(batch, _layer(heads, kv_heads, head_dim, window), backends, dtype)
+
+
+@pytest.mark.parametrize("window", [None, 100, 300])
+def test_decode_default_split_on_a_long_context(device: str, dtype: torch.dtype, window: int | None) -> None:
+    """A few long sequences: the default partitioning splits them (the partials are merged)."""
+    batch = random_batch(
+        11, 4, 1, 64, mode="decode", dtype=dtype, device=device, max_len=700, batch=2, block_size=16
+    )
+    check_against_reference(batch, _layer(4, 1, 64, window), [TritonAttentionBackend()], dtype)
+
+
+@pytest.mark.parametrize("window", [None, 3, 24])
+def test_chunked_prefill_over_a_long_context(device: str, dtype: torch.dtype, window: int | None) -> None:
+    """Long chunks after long contexts, so query tiles meet unmasked key tiles, diagonals and windows."""
+    batch = random_batch(12, 8, 2, 64, mode="mixed", dtype=dtype, device=device, max_len=120, batch=2)
+    backends = [TritonAttentionBackend(), TritonAttentionBackend(prefill_config=SMALL_PREFILL)]
+    check_against_reference(batch, _layer(8, 2, 64, window), backends, dtype)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 128), (8, 1, 256)])
+@pytest.mark.parametrize("window", [None, 4])
+def test_without_cache_each_sequence_attends_to_itself(
+    device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, window: int | None
+) -> None:
+    torch.manual_seed(5)
+    lens = [3, 1, 21, 9]
+    q, k, v = (
+        torch.randn(sum(lens), h, head_dim, device=device, dtype=dtype) for h in (heads, kv_heads, kv_heads)
+    )
+    layer = _layer(heads, kv_heads, head_dim, window)
+    metadata = AttentionMetadata.for_prefill(lens, device)
+    expected = TorchAttentionBackend().forward(layer, q, k, v, metadata, None)
+    exact = TorchAttentionBackend().forward(layer, q.double(), k.double(), v.double(), metadata, None)
+    for backend in (TritonAttentionBackend(), TritonAttentionBackend(prefill_config=SMALL_PREFILL)):
+        out = backend.forward(layer, q, k, v, AttentionMetadata.for_prefill(lens, device), None)
+        assert_attention_close(out, expected, exact, dtype)
+
+
+def test_metadata_derived_tiles_are_shared_by_layers(device: str) -> None:
+    batch = random_batch(13, 4, 2, 64, mode="mixed", dtype=torch.float32, device=device)
+    metadata = batch.metadata()
+    layer = _layer(4, 2, 64, None)
+    first = TritonAttentionBackend().forward(
+        layer, batch.query, batch.key, batch.value, metadata, batch.cache_copy()
+    )
+    assert len(metadata.derived) == 1
+    second = TritonAttentionBackend().forward(
+        layer, batch.query, batch.key, batch.value, metadata, batch.cache_copy()
+    )
+    assert len(metadata.derived) == 1
+    assert torch.equal(first, second)
+
+
+def test_head_dim_must_be_a_power_of_two(device: str) -> None:
+    q = torch.randn(2, 2, 80, device=device)
+    with pytest.raises(ValueError, match="power-of-two"):
+        TritonAttentionBackend().forward(
+            _layer(2, 2, 80, None), q, q, q, AttentionMetadata.for_prefill([2]), None
+        )
