@@ -77,6 +77,7 @@ def tiny_gguf_config(name: str) -> PretrainedConfig:
     config = tiny_configs()[name]
     if name == "llama3":  # llama.cpp's rope_freqs only encodes Llama 3.x's own band edges
         config.rope_parameters["original_max_position_embeddings"] = 8192
+        config.max_position_embeddings = 16384
     if name == "gemma3":  # GGUF has no query_pre_attn_scalar; llama.cpp uses the head dim
         config.query_pre_attn_scalar = config.head_dim
     return config
@@ -94,7 +95,7 @@ def save_hf_model(config: PretrainedConfig, folder: Path, seed: int = 0) -> torc
 
 
 def write_gguf(model: torch.nn.Module, arch: str, path: Path) -> Path:
-    config = model.config
+    config: Any = model.config
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, arch, config)
     for name, array in _gguf_tensors(model, arch):
@@ -144,7 +145,7 @@ def _write_rope(writer: gguf.GGUFWriter, rope: dict[str, Any]) -> None:
 
 
 def _gguf_tensors(model: torch.nn.Module, arch: str) -> list[tuple[str, np.ndarray]]:
-    config = model.config
+    config: Any = model.config
     tensors = []
     for hf_name, tensor in model.state_dict().items():
         name = _gguf_name(hf_name, arch)

@@ -142,8 +142,9 @@ class Workload:
         arrivals = (
             "all at t=0" if spec.request_rate is None else f"Poisson arrivals at {spec.request_rate:g} req/s"
         )
+        plural = "s" if self.num_requests != 1 else ""
         return (
-            f"{self.num_requests} requests, prompts {_range_text(spec.input_len)} tokens "
+            f"{self.num_requests} request{plural}, prompts {_range_text(spec.input_len)} tokens "
             f"({self.prompt_source} token ids, {self.total_prompt_tokens} in all), outputs "
             f"{_range_text(spec.output_len)} tokens ({self.max_output_tokens} in all), "
             f"{'ignore_eos, ' if spec.ignore_eos else ''}greedy, seed {spec.seed}, {arrivals}"

@@ -191,11 +191,12 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        deltas, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            deltas, self._pending = self._pending, []
             return self._forget_finished(deltas)
-        result = self.runner.execute(scheduled.chunks)
+        result = self.runner.execute(scheduled.chunks)  # if it raises, pending abort deltas are kept
+        deltas, self._pending = self._pending, []
         recompute = self.kv_cache is None
         for chunk in scheduled.chunks:
             request = chunk.request

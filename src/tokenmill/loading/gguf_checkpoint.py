@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenmill.errors import ModelLoadError
+from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 from tokenmill.loading.checkpoint import Checkpoint
 from tokenmill.loading.gguf_file import GGUFFile
 from tokenmill.models.config import RopeConfig
@@ -56,10 +56,8 @@ class _Metadata:
     def get(self, key: str) -> Any:
         return self.values.get(key)
 
-    def arch_int(self, key: str, required: bool = True) -> int | None:
+    def arch_int(self, key: str) -> int:
         full_key = f"{self.arch}.{key}"
-        if not required and full_key not in self.values:
-            return None
         value = self.require(full_key)
         if isinstance(value, list) and value and all(v == value[0] for v in value):
             value = value[0]  # a per-layer list that is uniform
@@ -67,14 +65,18 @@ class _Metadata:
             raise self.error(f"GGUF metadata '{full_key}' must be a positive integer, got {value!r}")
         return value
 
-    def arch_float(self, key: str, required: bool = True) -> float | None:
+    def arch_float(self, key: str) -> float:
         full_key = f"{self.arch}.{key}"
-        if not required and full_key not in self.values:
-            return None
         value = self.require(full_key)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.error(f"GGUF metadata '{full_key}' must be a number, got {value!r}")
         return float(value)
+
+    def optional_arch_int(self, key: str) -> int | None:
+        return self.arch_int(key) if f"{self.arch}.{key}" in self.values else None
+
+    def optional_arch_float(self, key: str) -> float | None:
+        return self.arch_float(key) if f"{self.arch}.{key}" in self.values else None
 
     def token_id(self, name: str) -> int | None:
         value = self.get(f"tokenizer.ggml.{name}_token_id")
@@ -152,10 +154,9 @@ def _decoder_config(meta: _Metadata, file: GGUFFile) -> dict[str, Any]:
     """Fields shared by the rotary, RMSNorm decoders (Llama family, Qwen, Gemma)."""
     hidden = meta.arch_int("embedding_length")
     heads = meta.arch_int("attention.head_count")
-    assert hidden is not None and heads is not None
-    head_dim = meta.arch_int("attention.key_length", required=False) or hidden // heads
-    theta = meta.arch_float("rope.freq_base", required=False)
-    rotary_dim = meta.arch_int("rope.dimension_count", required=False)
+    head_dim = meta.optional_arch_int("attention.key_length") or hidden // heads
+    theta = meta.optional_arch_float("rope.freq_base")
+    rotary_dim = meta.optional_arch_int("rope.dimension_count")
     if rotary_dim is not None and rotary_dim != head_dim:
         raise meta.error(
             f"partial rotary embeddings ({rotary_dim} of {head_dim} head dims) are not supported"
@@ -166,7 +167,7 @@ def _decoder_config(meta: _Metadata, file: GGUFFile) -> dict[str, Any]:
             "intermediate_size": meta.arch_int("feed_forward_length"),
             "num_hidden_layers": meta.arch_int("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": meta.arch_int("attention.head_count_kv", required=False),
+            "num_key_value_heads": meta.optional_arch_int("attention.head_count_kv"),
             "head_dim": head_dim,
             "max_position_embeddings": meta.arch_int("context_length"),
             "rms_norm_eps": meta.arch_float("attention.layer_norm_rms_epsilon"),
@@ -206,7 +207,7 @@ def _llama_config(meta: _Metadata, file: GGUFFile) -> dict[str, Any]:
     }
 
 
-# Gemma 3 settings that GGUF files from before llama.cpp wrote them do not carry (llama.cpp hard-codes them).
+# Gemma 3 settings that GGUF files may not carry (llama.cpp hard-codes them); metadata wins where present.
 _GEMMA3_DEFAULTS: dict[str, Any] = {
     "sliding_window_pattern": 6,  # five sliding-window layers, then one global layer
     "rope_local_base_freq": 10000.0,
@@ -222,8 +223,8 @@ def _gemma3_config(meta: _Metadata, file: GGUFFile) -> dict[str, Any]:
     config |= {
         "query_pre_attn_scalar": scalar,
         "sliding_window": meta.arch_int("attention.sliding_window"),
-        "rope_local_base_freq": meta.arch_float("rope.freq_base_swa", required=False),
-        "final_logit_softcapping": meta.arch_float("final_logit_softcapping", required=False),
+        "rope_local_base_freq": meta.optional_arch_float("rope.freq_base_swa"),
+        "final_logit_softcapping": meta.optional_arch_float("final_logit_softcapping"),
         **_sliding_layout(meta),
     }
     return {**_GEMMA3_DEFAULTS, **_present(config)}
@@ -285,9 +286,12 @@ class GGUFCheckpoint(Checkpoint):
         self.file = GGUFFile(path)
         self.meta = _Metadata(self.file.metadata, path)
         self.architecture = GGUF_ARCHITECTURES.get(self.meta.arch, self.meta.arch)
-        resolve_architecture(self.architecture, f"{path} (GGUF architecture '{self.meta.arch}')")
+        resolve_architecture(self.architecture, str(path))
         if self.meta.arch not in _ARCH_SPECS:
-            raise self.meta.error(f"GGUF architecture '{self.meta.arch}' has no tensor mapping in tokenmill")
+            raise UnsupportedArchitectureError(
+                f"{path}: GGUF architecture '{self.meta.arch}' has no tensor mapping in tokenmill "
+                f"(GGUF architectures read: {', '.join(sorted(_ARCH_SPECS))})"
+            )
         self.spec = _ARCH_SPECS[self.meta.arch]
         self._config: dict[str, Any] | None = None
 
@@ -305,7 +309,7 @@ class GGUFCheckpoint(Checkpoint):
         return self._config
 
     def _vocab_size(self) -> int:
-        from_metadata = self.meta.arch_int("vocab_size", required=False)
+        from_metadata = self.meta.optional_arch_int("vocab_size")
         if from_metadata is not None:
             return from_metadata
         tokens = self.meta.get("tokenizer.ggml.tokens")

@@ -152,7 +152,7 @@ def _tensor_info(
     except ValueError:
         raise reader.error(f"tensor '{name}' has an unknown data type id {type_id}") from None
     block_size, block_bytes = GGML_QUANT_SIZES[qtype]
-    if not dims or dims[0] % block_size:
+    if not dims or 0 in dims or dims[0] % block_size:
         raise reader.error(f"tensor '{name}' has dims {dims}, not whole {qtype.name} blocks of {block_size}")
     info = GGUFTensorInfo(
         name, dims, qtype, data_start + relative_offset, prod(dims) // block_size * block_bytes
@@ -165,7 +165,7 @@ def _tensor_info(
     return info
 
 
-def _map(path: Path) -> mmap.mmap:
+def _map_file(path: Path) -> mmap.mmap:
     try:
         with path.open("rb") as file:
             if path.stat().st_size == 0:
@@ -184,7 +184,7 @@ class GGUFFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._buffer = _map(path)
+        self._buffer = _map_file(path)
         reader = _HeaderReader(self._buffer, path)
         self.version, tensor_count, metadata_count = _read_header(reader)
         self.metadata = _read_metadata(reader, metadata_count)
