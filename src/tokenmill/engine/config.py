@@ -7,6 +7,7 @@ KVCacheMode = Literal["none", "contiguous", "paged"]
 BatchingMode = Literal["sequential", "static", "continuous"]
 KV_CACHE_MODES: tuple[str, ...] = ("none", "contiguous", "paged")
 BATCHING_MODES: tuple[str, ...] = ("sequential", "static", "continuous")
+ATTENTION_BACKENDS: tuple[str, ...] = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class EngineConfig:
     prefix_caching: bool = False  # reuse the KV blocks of prompt prefixes seen before (radix tree, LRU)
     debug_checks: bool = False  # check allocator + prefix-tree integrity after every step
     prefill_chunk_size: int | None = None  # cap on one request's prompt tokens per step (None: the budget)
-    attention_backend: str = "torch"
+    attention_backend: str = "torch"  # "triton": paged Triton kernels (CUDA, or TRITON_INTERPRET=1)
 
     def __post_init__(self) -> None:
         _require(self.kv_cache in KV_CACHE_MODES, "kv_cache", f"one of {KV_CACHE_MODES}", self.kv_cache)
@@ -71,9 +72,9 @@ class EngineConfig:
             self.num_kv_blocks,
         )
         _require(
-            self.attention_backend in ("torch",),
+            self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
-            "one of ('torch',)",
+            f"one of {ATTENTION_BACKENDS}",
             self.attention_backend,
         )
         _require(

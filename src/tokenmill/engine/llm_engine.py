@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenmill.attention import TorchAttentionBackend
+from tokenmill.attention import AttentionBackend, TorchAttentionBackend
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kv_cache import KVCache, create_kv_cache
 from tokenmill.engine.model_runner import ModelRunner
@@ -66,11 +66,23 @@ class LLMEngine:
             config, self.model_config, self.max_model_len, self.device, dtype
         )
         self.scheduler = Scheduler(config, self.kv_cache)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, TorchAttentionBackend(), self.device)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self._attention_backend(), self.device)
         self.sequences: dict[str, list[Request]] = {}
         self.texts: dict[Request, TextOutput] = {}
         self._pending: list[RequestDelta] = []
         torch.manual_seed(config.seed)
+
+    def _attention_backend(self) -> AttentionBackend:
+        if self.config.attention_backend == "torch":
+            return TorchAttentionBackend()
+        from tokenmill.attention.triton_backend import TritonAttentionBackend
+        from tokenmill.kernels import triton_available
+
+        if not triton_available(self.device.type):
+            raise ValueError(
+                "attention_backend 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)"
+            )
+        return TritonAttentionBackend()
 
     def _max_model_len(self) -> int:
         model_limit = self.model_config.max_position_embeddings
