@@ -408,7 +408,6 @@ def test_engine_with_triton_attention_matches_the_reference_loop(tiny_llama_fold
     """The engine toggle end to end: paged Triton attention (chunked prefill mixed with decodes) gives
     the greedy tokens of the single-sequence PyTorch loop."""
     from engine_helpers import engine_for, run_to_completion
-
     from tokenmill import SamplingParams
     from tokenmill.engine.greedy import greedy_generate
     from tokenmill.loading import load_model
