@@ -85,6 +85,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         if shard_id is None:  # the checkpoint already stores the fused tensor
+            if loaded.shape[0] != sum(self.output_sizes):
+                raise ValueError(f"has shape {tuple(loaded.shape)}; expected {sum(self.output_sizes)} rows")
             for index, part in enumerate(loaded.split(self.output_sizes, dim=0)):
                 self.weight_loader(param, part, index)
             return

@@ -1,0 +1,99 @@
+"""Command-line options and setup shared by the benchmarks: the model, the engine, the workload."""
+
+import argparse
+from typing import Any
+
+import torch
+
+from tokenmill.benchmarks.workload import Workload, WorkloadSpec, build_workload
+from tokenmill.engine.config import BATCHING_MODES, KV_CACHE_MODES, EngineConfig
+from tokenmill.engine.llm_engine import resolve_device
+from tokenmill.loading import LoadedModel, load_model
+
+MAX_MODEL_LEN_MULTIPLE = 64
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model", default=None, help="model folder, .gguf file, hub id or preset (default: embedded)"
+    )
+    group.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default: auto)")
+    group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (default: auto)")
+    group.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    group.add_argument("--seed", type=int, default=0, help="workload and engine seed (default: 0)")
+    group.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's)"
+    )
+    group.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """EngineConfig toggles; options left unset keep EngineConfig's defaults."""
+    group = parser.add_argument_group("tokenmill engine")
+    group.add_argument("--kv-cache", choices=KV_CACHE_MODES, default=None)
+    group.add_argument("--batching", choices=BATCHING_MODES, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=None)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument("--block-size", type=int, default=None)
+    group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--max-model-len", type=int, default=None, help="default: fit the workload")
+    group.add_argument("--cpu-kv-cache-gib", type=float, default=None)
+    group.add_argument("--gpu-memory-utilization", type=float, default=None)
+    group.add_argument("--attention-backend", default=None)
+
+
+ENGINE_OPTION_NAMES = (
+    "kv_cache",
+    "batching",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "num_kv_blocks",
+    "cpu_kv_cache_gib",
+    "gpu_memory_utilization",
+    "attention_backend",
+)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        name: getattr(args, name) for name in ENGINE_OPTION_NAMES if getattr(args, name, None) is not None
+    }
+
+
+def load_for_args(args: argparse.Namespace) -> LoadedModel:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    return load_model(
+        args.model, device=device, dtype=args.dtype, load_format=args.load_format, seed=args.seed
+    )
+
+
+def fit_max_model_len(workload: Workload, loaded: LoadedModel, requested: int | None = None) -> int:
+    """The context limit for the run: the longest request rounded up to a multiple of 64, so contiguous
+    KV reserves what this workload needs rather than the model's whole context."""
+    if requested is not None:
+        return requested
+    rounded = -(-workload.max_total_len // MAX_MODEL_LEN_MULTIPLE) * MAX_MODEL_LEN_MULTIPLE
+    limit = loaded.config.max_position_embeddings
+    if workload.max_total_len > limit:
+        raise ValueError(f"the workload needs {workload.max_total_len} positions; the model has {limit}")
+    return min(rounded, limit)
+
+
+def base_engine_config(args: argparse.Namespace, loaded: LoadedModel, max_model_len: int) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        device=str(loaded.device),
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        load_format=args.load_format,
+        seed=args.seed,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens, max_model_len),
+    )
+
+
+def workload_for(spec: WorkloadSpec, loaded: LoadedModel) -> Workload:
+    return build_workload(spec, loaded.tokenizer, loaded.config.vocab_size)

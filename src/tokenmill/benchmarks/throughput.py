@@ -1,0 +1,217 @@
+"""Offline throughput: N requests through tokenmill, and through HF generate in the same run.
+
+Reports total output tokens/s and requests/s for each, and their ratio. Before reporting, the first
+``--verify-requests`` requests are served again one at a time (batching=sequential, same KV mode): the
+measured run's greedy tokens must equal those, or no number is reported. HF mismatches are warnings
+(its left padding can flip near-ties).
+
+    python -m tokenmill.benchmarks.throughput [--num-requests 32] [--input-len 64] [--output-len 64]
+    python -m tokenmill.benchmarks.throughput --dataset nano-vllm --device cuda   # 256 requests, 100..1024
+"""
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenmill.benchmarks import common
+from tokenmill.benchmarks.hf_peer import HFPeer, PeerUnavailableError, build_hf_peer
+from tokenmill.benchmarks.measure import RunResult, compare_outputs, measure_engine, progress_bar
+from tokenmill.benchmarks.report import (
+    describe_model,
+    detect_hardware,
+    header_lines,
+    markdown_table,
+    write_json,
+)
+from tokenmill.benchmarks.workload import PromptSource, Workload, WorkloadSpec
+from tokenmill.engine.config import EngineConfig
+from tokenmill.loading import LoadedModel
+
+
+@dataclass(frozen=True)
+class Dataset:
+    num_requests: int
+    length_range: tuple[int, int]  # input and output lengths, both uniform in it
+    ignore_eos: bool
+    prompt_source: PromptSource
+    seed: int
+
+
+DATASETS = {
+    # nano-vllm's bench.py workload: 256 requests, random prompts and outputs of 100..1024 tokens.
+    "nano-vllm": Dataset(256, (100, 1024), True, "random", 0),
+}
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    if args.dataset is not None:
+        preset = DATASETS[args.dataset]
+        lengths = preset.length_range
+        return WorkloadSpec(
+            preset.num_requests, lengths, lengths, preset.seed, preset.ignore_eos, preset.prompt_source
+        )
+    if args.random_range is not None:
+        input_len = output_len = (args.random_range[0], args.random_range[1])
+    else:
+        input_len, output_len = (args.input_len, args.input_len), (args.output_len, args.output_len)
+    return WorkloadSpec(
+        args.num_requests, input_len, output_len, args.seed, args.ignore_eos, args.prompt_source
+    )
+
+
+def verify(
+    config: EngineConfig, loaded: LoadedModel, workload: Workload, measured: RunResult, count: int, show: bool
+) -> list[str]:
+    """The first ``count`` requests served one at a time must give the measured run's tokens."""
+    subset = Workload(workload.spec, workload.requests[:count], workload.prompt_source, workload.vocab_size)
+    reference = measure_engine(config.with_options(batching="sequential"), loaded, subset, "verify", show)
+    measured_subset = RunResult(
+        measured.label,
+        {r.request_id: measured.output_token_ids[r.request_id] for r in subset.requests},
+        {},
+        measured.elapsed_s,
+    )
+    return [mismatch.describe() for mismatch in compare_outputs(reference, measured_subset)]
+
+
+def run_hf(peer: HFPeer, workload: Workload, args: argparse.Namespace, show: bool) -> list[RunResult]:
+    results = []
+    peer.warm_up(workload)
+    with progress_bar(workload.max_output_tokens, "HF generate", show) as bar:
+        results.append(peer.run_static(workload, args.hf_batch_size, progress=bar))
+    if args.hf_continuous:
+        try:
+            with progress_bar(workload.max_output_tokens, "HF generate_batch", show) as bar:
+                results.append(peer.run_continuous(workload, progress=bar))
+        except PeerUnavailableError as error:
+            print(f"skipping HF continuous batching: {error}", file=sys.stderr)
+    return results
+
+
+def result_row(result: RunResult, reference: RunResult) -> list[str]:
+    num_requests = len(result.output_token_ids)
+    matching = num_requests - len(compare_outputs(reference, result))
+    return [
+        result.label,
+        str(result.num_output_tokens),
+        f"{result.elapsed_s:.2f}",
+        f"{result.output_tokens_per_s:.1f}",
+        f"{result.requests_per_s:.2f}",
+        f"{matching}/{num_requests}",
+    ]
+
+
+# -- the command ------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_model_arguments(parser)
+    common.add_engine_arguments(parser)
+    group = parser.add_argument_group("workload")
+    group.add_argument("--dataset", choices=sorted(DATASETS), default=None, help="a preset workload")
+    group.add_argument("--num-requests", type=int, default=32)
+    group.add_argument("--input-len", type=int, default=64, help="fixed prompt length (default 64)")
+    group.add_argument("--output-len", type=int, default=64, help="fixed output length (default 64)")
+    group.add_argument(
+        "--random-range",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        default=None,
+        help="input and output lengths uniform in [LO, HI] instead of fixed",
+    )
+    group.add_argument("--ignore-eos", action="store_true", help="always generate the full output length")
+    group.add_argument("--prompt-source", choices=("auto", "text", "random"), default="auto")
+    group = parser.add_argument_group("comparison")
+    group.add_argument("--hf-batch-size", type=int, default=8, help="HF generate static batch (default 8)")
+    group.add_argument("--hf-continuous", action="store_true", help="also run HF continuous batching")
+    group.add_argument("--skip-hf", action="store_true", help="do not run the HF peer")
+    group.add_argument(
+        "--verify-requests", type=int, default=4, help="requests re-run alone to check (0: none)"
+    )
+    group.add_argument("--report-dir", type=Path, default=None, help="also write throughput.md/.json here")
+
+
+def run(args: argparse.Namespace) -> int:
+    loaded = common.load_for_args(args)
+    workload = common.workload_for(workload_spec(args), loaded)
+    max_model_len = common.fit_max_model_len(workload, loaded, args.max_model_len)
+    config = common.base_engine_config(args, loaded, max_model_len).with_options(
+        **common.engine_options(args)
+    )
+    show = not args.no_progress
+    label = f"tokenmill ({config.kv_cache} KV, {config.batching}, max_num_seqs {config.max_num_seqs})"
+    hardware = detect_hardware(loaded.device)
+    print(f"workload: {workload.describe()}\nhardware: {hardware.describe()}", flush=True)
+    ours = measure_engine(config, loaded, workload, label, show)
+    mismatches = verify(
+        config, loaded, workload, ours, min(args.verify_requests, workload.num_requests), show
+    )
+    if mismatches:
+        print(
+            "CORRECTNESS CHECK FAILED: batched tokens differ from sequential ones; no numbers reported.",
+            file=sys.stderr,
+        )
+        print("\n".join(f"  {line}" for line in mismatches[:5]), file=sys.stderr)
+        return 1
+    peer = None if args.skip_hf else build_hf_peer(loaded)
+    peers = [] if peer is None else run_hf(peer, workload, args, show)
+    peer_text = "none (--skip-hf)" if peer is None else peer.describe()
+    workload_text = f"{workload.describe()}; max_model_len {max_model_len}"
+    header = header_lines("tokenmill throughput", workload_text, hardware, describe_model(loaded), peer_text)
+    report = render(header, ours, peers, args.verify_requests)
+    print("\n" + "\n".join(report[len(header) :]))
+    if args.report_dir is not None:
+        save(args.report_dir, report, ours, peers, config)
+    return 0
+
+
+def render(header: list[str], ours: RunResult, peers: list[RunResult], verified: int) -> list[str]:
+    headers = ["engine", "output tokens", "seconds", "out tok/s", "req/s", "requests = tokenmill"]
+    table = markdown_table(headers, [result_row(r, ours) for r in [ours, *peers]])
+    lines = [*header, "", table, ""]
+    for peer in peers:
+        lines.append(
+            f"- tokenmill / {peer.label}: {ours.output_tokens_per_s / peer.output_tokens_per_s:.2f}x"
+        )
+    note = f"first {verified} requests re-run alone: identical tokens" if verified else "not verified"
+    lines.append(f"- correctness: {note}")
+    return lines
+
+
+def save(
+    folder: Path, report: list[str], ours: RunResult, peers: list[RunResult], config: EngineConfig
+) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "throughput.md").write_text("\n".join(report) + "\n")
+    results = [_result_json(result) for result in [ours, *peers]]
+    write_json(folder / "throughput.json", {"report": report, "config": config.__dict__, "results": results})
+
+
+def _result_json(result: RunResult) -> dict[str, Any]:
+    return {
+        "label": result.label,
+        "output_tokens": result.num_output_tokens,
+        "elapsed_s": result.elapsed_s,
+        "output_tokens_per_s": result.output_tokens_per_s,
+        "requests_per_s": result.requests_per_s,
+        "tpot_mean_s": result.tpot_mean_s(),
+        "peak_memory_bytes": result.peak_memory_bytes,
+        **result.extra,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tokenmill bench throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

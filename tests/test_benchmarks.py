@@ -1,0 +1,217 @@
+"""The benchmarks end to end on a tiny random Llama: reports written, correctness enforced."""
+
+import argparse
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tiny_models import save_tiny_model
+from tokenmill.benchmarks import hf_peer, ladder, latency, throughput
+from tokenmill.benchmarks.measure import RunResult, compare_outputs, percentile, run_engine
+from tokenmill.benchmarks.workload import WorkloadSpec, build_workload, corpus_slice, parse_length_range
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.loading import load_model
+
+TINY_WORKLOAD = ["--num-requests", "4", "--no-progress"]
+SMALL_KV = ["--cpu-kv-cache-gib", "0.01"]  # not the 2 GiB default
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    # Tiny batched ops gain nothing from a second thread, and on a shared CPU it can stall them badly.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+# -- workload --------------------------------------------------------------------------------------------
+
+
+def test_workload_is_seeded_and_in_range() -> None:
+    spec = WorkloadSpec(20, (3, 9), (2, 5), seed=7)
+    first, again = build_workload(spec, None, 100), build_workload(spec, None, 100)
+    assert first.requests == again.requests
+    assert first.prompt_source == "random"
+    assert all(3 <= len(r.prompt_token_ids) <= 9 and 2 <= r.output_len <= 5 for r in first.requests)
+    assert all(0 <= t < 100 for r in first.requests for t in r.prompt_token_ids)
+    assert build_workload(WorkloadSpec(20, (3, 9), (2, 5), seed=8), None, 100).requests != first.requests
+
+
+class _WordTokenizer:
+    """Stands in for a Tokenizer: one id per word."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [len(word) for word in text.split()]
+
+
+def test_text_prompts_are_slices_of_the_corpus() -> None:
+    spec = WorkloadSpec(5, (10, 10), (4, 4), prompt_source="text")
+    workload = build_workload(spec, _WordTokenizer(), 1000)  # type: ignore[arg-type]
+    assert workload.prompt_source == "text"
+    assert all(len(r.prompt_token_ids) == 10 for r in workload.requests)
+    assert corpus_slice([1, 2, 3], 5, random.Random(0))[:3] in ([1, 2, 3], [2, 3, 1], [3, 1, 2])
+    with pytest.raises(ValueError, match="tokenizer"):
+        build_workload(spec, None, 1000)
+
+
+def test_poisson_arrivals_increase() -> None:
+    workload = build_workload(WorkloadSpec(6, (2, 2), (2, 2), request_rate=10.0), None, 50)
+    times = [r.arrival_time for r in workload.requests]
+    assert times[0] == 0.0 and times == sorted(times) and times[-1] > 0
+
+
+def test_length_ranges_parse() -> None:
+    assert parse_length_range("64") == (64, 64)
+    assert parse_length_range("32-96") == parse_length_range("32:96") == (32, 96)
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_length_range("9-3")
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+
+
+# -- the HF peer ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("architecture", ["llama3", "gpt2"])  # fused qkv/gate_up; transposed Conv1D
+def test_dummy_weights_copied_into_hf_give_the_same_tokens(architecture: str, tmp_path: Path) -> None:
+    save_tiny_model(architecture, tmp_path)
+    loaded = load_model(tmp_path / "config.json", load_format="dummy", seed=3)
+    workload = build_workload(WorkloadSpec(3, (4, 12), (3, 8)), None, loaded.config.vocab_size)
+    config = EngineConfig(device="cpu", max_model_len=64, num_kv_blocks=32)
+    ours = run_engine(LLMEngine(config, loaded=loaded), workload, "ours")
+    peer = hf_peer.build_hf_peer(loaded)
+    theirs = peer.run_static(workload, batch_size=2)
+    assert compare_outputs(ours, theirs) == []
+    assert theirs.num_output_tokens == workload.max_output_tokens
+
+
+def test_missing_continuous_batching_is_reported_not_crashed() -> None:
+    peer = hf_peer.HFPeer(object(), torch.device("cpu"), 0, (), "stub")
+    workload = build_workload(WorkloadSpec(1, (2, 2), (2, 2)), None, 10)
+    assert not peer.has_continuous_batching()
+    with pytest.raises(hf_peer.PeerUnavailableError):
+        peer.run_continuous(workload)
+
+
+# -- ladder ------------------------------------------------------------------------------------------------
+
+
+def _ladder_args(folder: Path, report_dir: Path) -> list[str]:
+    ranges = ["--input-len-range", "4-12", "--output-len-range", "3-8", "--batch-size", "2"]
+    return ["--model", str(folder), *TINY_WORKLOAD, *ranges, "--report-dir", str(report_dir)]
+
+
+def test_ladder_reports_every_rung(tiny_llama_folder: Path, tmp_path: Path, capsys: Any) -> None:
+    assert ladder.main(_ladder_args(tiny_llama_folder, tmp_path)) == 0
+    assert {p.name for p in tmp_path.iterdir()} >= {"ladder.md", "ladder.json", "ladder.png"}
+    markdown = (tmp_path / "ladder.md").read_text()
+    for rung in ladder.RUNGS:
+        assert f"| {ladder.RUNGS.index(rung) + 1}. {rung.name} " in markdown
+    assert "HF generate (batch 2)" in markdown and "hardware:" in markdown and "workload:" in markdown
+    report = json.loads((tmp_path / "ladder.json").read_text())
+    assert [r["name"] for r in report["rungs"]] == [rung.name for rung in ladder.RUNGS]
+    assert report["hf_matching_requests"] == 4
+    assert report["rungs"][0]["peak_kv_reserved_bytes"] == 0 and report["rungs"][1]["kv_pool_bytes"] > 0
+    assert "every rung's greedy tokens equal those of 'recompute'" in capsys.readouterr().out
+
+
+def test_paged_rung_keeps_the_contiguous_kv_budget() -> None:
+    setup = ladder.LadderSetup(batch_size=8, num_requests=32, max_model_len=192, block_size=16)
+    configs = {rung.name: config for rung, config in ladder.rung_configs(EngineConfig(), setup, ladder.RUNGS)}
+    paged = configs["paged KV"]
+    assert paged.kv_cache == "paged" and paged.batching == "continuous"
+    assert paged.num_kv_blocks * 16 == 8 * 192 and paged.max_num_seqs == 32
+    assert configs["static batching"].max_num_seqs == 8 and configs["recompute"].kv_cache == "none"
+
+
+def test_ladder_refuses_to_report_a_rung_that_changed_the_tokens(
+    tiny_llama_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    measure = ladder.measure_rung
+
+    def broken(name: str, *args: Any) -> RunResult:
+        result = measure(name, *args)
+        if name == "paged KV":
+            result.output_token_ids["req-1"][-1] += 1
+        return result
+
+    monkeypatch.setattr(ladder, "measure_rung", broken)
+    argv = [*_ladder_args(tiny_llama_folder, tmp_path), "--skip-hf", "--rungs", "recompute", "paged KV"]
+    assert ladder.main(argv) != 0
+    assert not (tmp_path / "ladder.md").exists()
+    error = capsys.readouterr().err
+    assert "CORRECTNESS CHECK FAILED" in error and "paged KV" in error and "req-1" in error
+
+
+# -- latency and throughput --------------------------------------------------------------------------------
+
+
+def test_latency_prints_both_engines_and_bandwidth(tiny_llama_folder: Path, capsys: Any) -> None:
+    argv = ["--model", str(tiny_llama_folder), "--input-len", "8", "--output-len", "4", "--iters", "1"]
+    assert latency.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tokenmill " in out and "HF generate " in out and "copy bandwidth" in out and "hardware:" in out
+
+
+def test_decode_bytes_count_the_lookup_table_once(tiny_llama_folder: Path) -> None:
+    loaded = load_model(tiny_llama_folder)
+    params = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    table = loaded.model.model.embed_tokens.weight
+    untied_lookup = (table.shape[0] - 1) * table.shape[1] * table.element_size()
+    assert latency.weight_bytes_read_per_token(loaded.model) == params - untied_lookup
+    assert latency.bandwidth_share(100, 1.0, 400.0) == 0.25
+
+
+def test_throughput_writes_its_report(tiny_llama_folder: Path, tmp_path: Path, capsys: Any) -> None:
+    argv = [
+        "--model",
+        str(tiny_llama_folder),
+        *TINY_WORKLOAD,
+        "--random-range",
+        "3",
+        "9",
+        "--ignore-eos",
+        *SMALL_KV,
+    ]
+    assert throughput.main([*argv, "--hf-batch-size", "2", "--report-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "tokenmill / HF generate (static, batch 2)" in out
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    assert len(report["results"]) == 2 and report["results"][0]["output_tokens"] > 0
+
+
+def test_throughput_refuses_when_batched_tokens_differ(
+    tiny_llama_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    measure = throughput.measure_engine
+
+    def broken(*args: Any) -> RunResult:
+        result = measure(*args)
+        if args[3] != "verify":
+            result.output_token_ids["req-0"][0] += 1
+        return result
+
+    monkeypatch.setattr(throughput, "measure_engine", broken)
+    argv = [
+        "--model",
+        str(tiny_llama_folder),
+        *TINY_WORKLOAD,
+        "--input-len",
+        "5",
+        "--output-len",
+        "3",
+        "--skip-hf",
+        *SMALL_KV,
+    ]
+    assert throughput.main(argv) != 0
+    assert "CORRECTNESS CHECK FAILED" in capsys.readouterr().err
