@@ -84,7 +84,9 @@ def measure_load_memory(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="folder, .gguf, hub id, or a preset with --load-format dummy")
+    parser.add_argument(
+        "--model", required=True, help="folder, .gguf, hub id, or a preset with --load-format dummy"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
