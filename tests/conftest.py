@@ -1,8 +1,15 @@
 """Shared fixtures."""
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton reads this when it is first imported, which any test module may do: without a GPU the kernels
+# run in its interpreter, so it must be set before collection starts.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
