@@ -24,6 +24,7 @@ BENCHMARKS = {
     "throughput": "tokenmill.benchmarks.throughput",
     "load-memory": "tokenmill.benchmarks.load_memory",
     "serve": "tokenmill.benchmarks.serve",
+    "kernels": "tokenmill.benchmarks.kernels",
 }
 
 
