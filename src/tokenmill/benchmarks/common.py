@@ -1,6 +1,7 @@
 """Command-line options and setup shared by the benchmarks: the model, the engine, the workload."""
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,3 +98,18 @@ def base_engine_config(args: argparse.Namespace, loaded: LoadedModel, max_model_
 
 def workload_for(spec: WorkloadSpec, loaded: LoadedModel) -> Workload:
     return build_workload(spec, loaded.tokenizer, loaded.config.vocab_size)
+
+
+def run_as_script(
+    name: str,
+    doc: str | None,
+    add_arguments: "Callable[[argparse.ArgumentParser], None]",
+    run: "Callable[[argparse.Namespace], int]",
+    argv: list[str] | None = None,
+) -> int:
+    """A benchmark's standalone entry point: its own parser (with its docstring as help), then ``run``."""
+    parser = argparse.ArgumentParser(
+        prog=f"tokenmill bench {name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

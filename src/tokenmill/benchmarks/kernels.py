@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from tokenmill.attention import AttentionLayer, AttentionMetadata, KVCacheLayer, TorchAttentionBackend
 from tokenmill.attention.torch_backend import write_kv_cache
+from tokenmill.benchmarks.common import run_as_script
 from tokenmill.benchmarks.report import markdown_table
 from tokenmill.kernels import triton_available
 from tokenmill.models.config import RopeConfig
@@ -714,13 +715,7 @@ def _header(device: torch.device, dtype: torch.dtype, shape: ModelShape) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tokenmill bench kernels",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run_as_script("kernels", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -406,13 +406,7 @@ def print_report(report: LadderReport, hardware: Hardware, report_dir: Path | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tokenmill bench ladder",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return common.run_as_script("ladder", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

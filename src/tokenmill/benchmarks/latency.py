@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tokenmill.benchmarks import common
+from tokenmill.benchmarks.common import run_as_script
 from tokenmill.benchmarks.hf_peer import HFPeer, build_hf_peer
 from tokenmill.benchmarks.measure import median, synchronize
 from tokenmill.benchmarks.report import describe_model, detect_hardware, fmt_bytes, header_lines
@@ -213,13 +214,7 @@ def _warn_if_different(ours: Latency, theirs: Latency | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tokenmill bench latency",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run_as_script("latency", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -204,13 +204,7 @@ def _result_json(result: RunResult) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tokenmill bench throughput",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return common.run_as_script("throughput", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
