@@ -51,6 +51,7 @@ def test_greedy_outputs_do_not_depend_on_scheduling_features(
     )
     arrivals = list(workload)
     outputs: dict[str, list[int]] = {rid: [] for rid in workload}
+    cached_tokens = dict.fromkeys(workload, 0)
     while arrivals or engine.has_unfinished_requests():
         for _ in range(rng.randint(1, 3)):
             if arrivals:
@@ -61,6 +62,7 @@ def test_greedy_outputs_do_not_depend_on_scheduling_features(
                 )
         for delta in engine.step():
             outputs[delta.request_id] += delta.new_token_ids
+            cached_tokens[delta.request_id] = max(cached_tokens[delta.request_id], delta.num_cached_tokens)
     for rid, (prompt, max_tokens) in workload.items():
         assert outputs[rid] == greedy_generate(tiny.model, prompt, max_tokens).token_ids, rid
     manager = engine.kv_cache.manager
@@ -68,6 +70,13 @@ def test_greedy_outputs_do_not_depend_on_scheduling_features(
     assert (engine.scheduler.num_preemptions > 0) == tight_pool
     cache = engine.scheduler.prefix_cache
     assert (cache is not None and cache.hit_tokens > 0) == prefix_caching
+    # Counted once per request, at its first admission, however often it was preempted and readmitted.
+    stats = engine.scheduler_stats()
+    num_prompt_tokens = sum(len(prompt) for prompt, _ in workload.values())
+    assert stats.prefix_cache_queries == (num_prompt_tokens if prefix_caching else 0)
+    assert stats.prefix_cache_hits == sum(cached_tokens.values())
+    assert all(cached_tokens[rid] < len(prompt) for rid, (prompt, _) in workload.items())
+    assert all(cached % 4 == 0 for cached in cached_tokens.values())
 
 
 def test_prefix_hit_reports_cached_tokens_and_skips_their_compute(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -84,6 +93,24 @@ def test_prefix_hit_reports_cached_tokens_and_skips_their_compute(tiny) -> None:
     assert chunk.request.num_cached_tokens == 20
 
 
+def test_prefix_cache_counters_count_prompt_tokens(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine = engine_for(tiny, kv_cache="paged", block_size=4, num_kv_blocks=64, prefix_caching=True)
+    prompt = list(range(10, 31))  # 21 tokens: 5 full blocks can be shared
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    counters = []
+    for request_id, request_params in [
+        ("first", params),
+        ("again", params),
+        ("prompt-logprobs", SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1)),
+    ]:
+        engine.add_request(request_id, prompt, request_params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        stats = engine.scheduler_stats()
+        counters.append((stats.prefix_cache_queries, stats.prefix_cache_hits))
+    assert counters == [(21, 0), (42, 20), (42, 20)], "prompt logprobs skip the cache, so no lookup"
+
+
 def test_a_fully_cached_prompt_still_computes_its_last_token(tiny) -> None:  # type: ignore[no-untyped-def]
     engine = engine_for(tiny, kv_cache="paged", block_size=4, num_kv_blocks=64, prefix_caching=True)
     prompt = list(range(10, 26))  # exactly 4 blocks
@@ -94,3 +121,31 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(tiny) -> None:  # t
     engine.add_request("b", prompt, params)
     (chunk,) = engine.scheduler.schedule().chunks
     assert (chunk.start, chunk.end) == (12, 16)
+
+
+@pytest.mark.parametrize("headroom", [0.0, 0.5, 1.0])
+def test_admission_headroom_trades_concurrency_for_preemptions(tiny, headroom) -> None:  # type: ignore[no-untyped-def]
+    """Full headroom reserves every request's remaining output, so with known max_tokens nothing is ever
+    preempted; none admits as soon as the prompt fits, so growth preempts. Outputs never change."""
+    rng = random.Random(11)
+    workload = {f"r{i}": ([rng.randrange(3, 384) for _ in range(rng.randint(4, 12))], 16) for i in range(10)}
+    engine = engine_for(
+        tiny, kv_cache="paged", block_size=4, num_kv_blocks=24, max_num_seqs=10, admission_headroom=headroom
+    )
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for rid, (prompt, _) in workload.items():
+        engine.add_request(rid, prompt, params)
+    outputs: dict[str, list[int]] = {rid: [] for rid in workload}
+    peak_running = 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+        peak_running = max(peak_running, len(engine.scheduler.running))
+    for rid, (prompt, max_tokens) in workload.items():
+        assert outputs[rid] == greedy_generate(tiny.model, prompt, max_tokens).token_ids, rid
+    preemptions = engine.scheduler.num_preemptions
+    if headroom == 1.0:
+        assert preemptions == 0
+        assert peak_running <= 24 * 4 // (4 + 16)  # whole requests (prompt 4+ and 16 outputs) that fit
+    if headroom == 0.0:
+        assert preemptions > 0 and peak_running > 24 * 4 // (12 + 16)

@@ -117,6 +117,10 @@ def test_unknown_model_is_a_404(client: openai.OpenAI, server: ServerThread) -> 
         ("logit_bias", {"5": 1000}),
         ("seed", "7"),
         ("n", 1000),
+        ("priority", "high"),
+        ("priority", 1.5),
+        ("priority", True),
+        ("priority", 3),  # an integer, but this server schedules first come, first served
     ],
 )
 def test_invalid_parameters_are_400s_naming_the_parameter(
@@ -134,6 +138,8 @@ def test_invalid_chat_parameters_are_400s(server: ServerThread) -> None:
         ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
         ({"max_completion_tokens": 0}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
+        ({"priority": "1"}, "priority"),
+        ({"priority": -2}, "priority"),
     ]:
         assert_error(post(server, "/v1/chat/completions", {"messages": messages, **extra}), 400, param)
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]

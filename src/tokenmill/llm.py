@@ -8,6 +8,7 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.scheduler import SchedulerStats
 from tokenmill.errors import TokenmillError
 from tokenmill.tokenizer import Tokenizer
 
@@ -39,16 +40,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in the order given."""
+        """One ``RequestOutput`` per prompt, in the order given. ``priority`` (one for all prompts, or one
+        per prompt; lower is served first) needs ``scheduling_policy="priority"``."""
         prompt_list = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
         params_list = _params_per_prompt(sampling_params, len(prompt_list))
+        priorities = _priority_per_prompt(priority, len(prompt_list))
         outputs: dict[str, RequestOutput] = {}
         try:
-            for prompt, params in zip(prompt_list, params_list, strict=True):
+            for prompt, params, request_priority in zip(prompt_list, params_list, priorities, strict=True):
                 request_id = str(next(self._ids))
                 text, prompt_input = _split_prompt(prompt)
-                prompt_ids = self.engine.add_request(request_id, prompt_input, params)
+                prompt_ids = self.engine.add_request(request_id, prompt_input, params, request_priority)
                 completions = [CompletionOutput(index=i) for i in range(params.n)]
                 outputs[request_id] = RequestOutput(request_id, text, prompt_ids, completions)
             self._run(outputs, use_tqdm)
@@ -79,6 +83,10 @@ class LLM:
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """Preemptions and prefix-cache queries / hits (in prompt tokens) since the engine started."""
+        return self.engine.scheduler_stats()
 
     def _run(self, outputs: dict[str, RequestOutput], use_tqdm: bool) -> None:
         progress = _progress_bar(len(outputs)) if use_tqdm else None
@@ -113,6 +121,16 @@ def _params_per_prompt(
     if len(params) != count:
         raise TokenmillError(f"got {len(params)} sampling params for {count} prompts")
     return list(params)
+
+
+def _priority_per_prompt(priority: int | Sequence[int] | None, count: int) -> list[int]:
+    if priority is None:
+        return [0] * count
+    if isinstance(priority, int):
+        return [priority] * count
+    if len(priority) != count:
+        raise TokenmillError(f"got {len(priority)} priorities for {count} prompts; give one per prompt")
+    return list(priority)
 
 
 def _progress_bar(total: int):  # type: ignore[no-untyped-def]

@@ -5,9 +5,17 @@ from typing import Any, Literal
 
 KVCacheMode = Literal["none", "contiguous", "paged"]
 BatchingMode = Literal["sequential", "static", "continuous"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 KV_CACHE_MODES: tuple[str, ...] = ("none", "contiguous", "paged")
 BATCHING_MODES: tuple[str, ...] = ("sequential", "static", "continuous")
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch", "triton")
+FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
+    "fused_rms_norm",
+    "fused_rotary",
+    "fused_activation",
+    "fused_sampling",
+)
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -19,6 +27,8 @@ class EngineConfig:
     from a shared pool as sequences grow.
     ``batching``: ``sequential`` runs one request at a time; ``static`` admits a batch only when the
     previous one has fully finished; ``continuous`` admits and retires requests at every step.
+    ``scheduling_policy``: ``fcfs`` serves requests in arrival order; ``priority`` serves the lowest
+    ``priority`` value first (ties by arrival) and lets a waiting request preempt a worse running one.
     """
 
     model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
@@ -40,11 +50,41 @@ class EngineConfig:
     debug_checks: bool = False  # check allocator + prefix-tree integrity after every step
     prefill_chunk_size: int | None = None  # cap on one request's prompt tokens per step (None: the budget)
     attention_backend: str = "torch"  # "triton": paged Triton kernels (CUDA, or TRITON_INTERPRET=1)
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    # Paged KV: the share of every running request's remaining max_tokens whose blocks admission keeps
+    # free, so requests admitted together can grow without preempting each other. 0 admits whenever the
+    # new tokens fit (most concurrency; growth may preempt); 1 never preempts a request that has a known
+    # max_tokens, but admits fewer when outputs end early.
+    admission_headroom: float = 0.0
+    # Fused Triton kernels, each alone: None (auto) = on with CUDA + Triton, off on CPU; False = PyTorch.
+    fused_rms_norm: bool | None = None  # RMSNorm with the residual add fused in (one launch)
+    fused_rotary: bool | None = None  # rotary embedding of q and k in place (one launch)
+    fused_activation: bool | None = None  # SwiGLU / GeGLU activation-and-multiply (one launch)
+    fused_sampling: bool | None = None  # temperature, top-k/min-p and the draw in one pass (Gumbel-max)
+    # Replay pure-decode steps from CUDA graphs (one per padded batch size). CUDA + triton attention only;
+    # ignored on CPU. Batches above the largest captured size, and prefill / mixed steps, run eagerly.
+    cuda_graphs: bool = False
+    cuda_graph_max_batch_size: int = 256  # capture sizes 1, 2, 4, 8, 16, 24, ... up to this (<= max_num_seqs)
+    # With cuda_graphs: start each decode step's successor on the GPU (fed the new tokens on the device)
+    # before the host reads and processes them; used when the next step turns out to be exactly that.
+    overlap_decode: bool = False
 
     def __post_init__(self) -> None:
         _require(self.kv_cache in KV_CACHE_MODES, "kv_cache", f"one of {KV_CACHE_MODES}", self.kv_cache)
+        for name in FUSED_KERNEL_TOGGLES:
+            value = getattr(self, name)
+            _require(value is None or isinstance(value, bool), name, "None (auto), True or False", value)
         _require(self.batching in BATCHING_MODES, "batching", f"one of {BATCHING_MODES}", self.batching)
+        _require(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            "scheduling_policy",
+            f"one of {SCHEDULING_POLICIES}",
+            self.scheduling_policy,
+        )
         _require(self.block_size >= 1, "block_size", "at least 1", self.block_size)
+        _require(
+            0 <= self.admission_headroom <= 1, "admission_headroom", "in [0, 1]", self.admission_headroom
+        )
         _require(self.max_num_seqs >= 1, "max_num_seqs", "at least 1", self.max_num_seqs)
         _require(
             self.max_num_batched_tokens >= 1,
@@ -94,6 +134,34 @@ class EngineConfig:
             "chunked_prefill",
             "off when kv_cache is 'none' (a recomputed sequence has no cache to continue from)",
             self.chunked_prefill,
+        )
+        self._check_cuda_graphs()
+
+    def _check_cuda_graphs(self) -> None:
+        _require(
+            self.cuda_graph_max_batch_size >= 1,
+            "cuda_graph_max_batch_size",
+            "at least 1",
+            self.cuda_graph_max_batch_size,
+        )
+        _require(
+            not (self.cuda_graphs and self.attention_backend != "triton"),
+            "cuda_graphs",
+            "off unless attention_backend is 'triton' (the torch backend's KV write reads a mask back to "
+            "the host, which a CUDA graph cannot capture)",
+            self.cuda_graphs,
+        )
+        _require(
+            not (self.cuda_graphs and self.kv_cache == "none"),
+            "cuda_graphs",
+            "off when kv_cache is 'none' (without a cache no step is a one-token decode)",
+            self.cuda_graphs,
+        )
+        _require(
+            not (self.overlap_decode and not self.cuda_graphs),
+            "overlap_decode",
+            "off unless cuda_graphs is on (it overlaps graph replays)",
+            self.overlap_decode,
         )
 
     @property

@@ -31,6 +31,7 @@ class Request:
     max_tokens: int  # resolved against the context limit
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # under the "priority" scheduling policy, lower values are served first
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -9,8 +9,15 @@ the newest running request is preempted (its blocks freed, its tokens kept, reco
 Waiting requests are then admitted while sequences, tokens and blocks allow. The batching modes differ
 only in admission: ``sequential`` runs one request at a time, ``static`` admits a new batch only once the
 previous one has wholly finished, ``continuous`` admits at every step.
+
+The ``priority`` policy orders both queues by ``scheduling_key`` (priority, then arrival) instead:
+running requests are served best first, the worst one is the preemption victim, the best waiting one is
+admitted first, and a waiting request that finds the batch full or the pool short preempts running
+requests of a strictly worse priority to take their place.
 """
 
+import bisect
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -40,6 +47,20 @@ class ScheduledChunk:
 
 
 @dataclass
+class SchedulerStats:
+    """Counters since the scheduler started, read by the server's metrics and the offline API."""
+
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at first admission
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was found there
+
+
+def scheduling_key(request: Request) -> tuple[int, float]:
+    """Under the ``priority`` policy: the smaller, the sooner served and the later preempted."""
+    return request.priority, request.arrival_time
+
+
+@dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -58,8 +79,9 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.running: list[Request] = []  # in serving order: the last one is the preemption victim
+        self.by_priority = config.scheduling_policy == "priority"
+        self.stats = SchedulerStats()
         self.prefix_cache: RadixCache | None = None
         if config.prefix_caching and kv_cache is not None:
             self.prefix_cache = RadixCache.for_manager(kv_cache.manager)
@@ -70,19 +92,38 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions
+
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self._queue_waiting(request, preempted=False)
+
+    def _queue_waiting(self, request: Request, preempted: bool) -> None:
+        """FCFS: a new request joins the back, a preempted one returns to the front. Priority: by key."""
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=scheduling_key)
+        elif preempted:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _add_running(self, request: Request) -> None:
+        if self.by_priority:
+            bisect.insort(self.running, request, key=scheduling_key)
+        else:
+            self.running.append(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        # Oldest first; victims of preemption are taken from the end, so never one scheduled already.
+        # In serving order; victims of preemption are taken from the end, so never one scheduled already.
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             budget -= self._schedule_running(request, budget, out)
         if self._may_admit(out):
-            self._admit_waiting(budget, out)
+            self._admit_waiting(out)
         return out
 
     def _chunk_size(self, num_tokens: int, budget: int) -> int:
@@ -110,41 +151,91 @@ class Scheduler:
             return False  # memory is short: admitting now would only preempt again
         return not (self.config.batching == "static" and self.running)
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and len(self.running) < self.config.max_running:
+    def _admit_waiting(self, out: SchedulerOutput) -> None:
+        while self.waiting:
             request = self.waiting[0]
             match = self._match_prefix(request)
             cached = match.num_tokens if match is not None else 0
             start = request.num_computed_tokens + cached
+            budget = self.config.max_num_batched_tokens - out.num_tokens
             num_tokens = self._chunk_size(request.num_tokens - start, budget)
-            if num_tokens == 0 or not self._reserve_new(request, start + num_tokens, match):
+            if num_tokens == 0:
                 return
+            if len(self.running) >= self.config.max_running or not self._reserve_new(
+                request, start + num_tokens, match, self._headroom_blocks(request, start + num_tokens)
+            ):
+                if self._preempt_for(request, out):
+                    continue  # the victim's sequence slot and blocks are free now: try again
+                return
+            self._record_first_admission(request, cached)
             request.num_computed_tokens = start
-            request.num_cached_tokens = cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._add_running(request)
             out.chunks.append(ScheduledChunk(request, start, start + num_tokens))
-            budget -= num_tokens
+
+    def _preempt_for(self, request: Request, out: SchedulerOutput) -> bool:
+        """Under the priority policy, preempt the worst running request to make room for ``request`` if
+        its priority is strictly worse (a victim scheduled this step loses its chunk); False if none is."""
+        if not self.by_priority or not self.running:
+            return False
+        victim = self.running[-1]
+        if victim.priority <= request.priority:
+            return False
+        out.chunks = [chunk for chunk in out.chunks if chunk.request is not victim]
+        self._preempt(victim, out)
+        return True
+
+    def _reads_prefix_cache(self, request: Request) -> bool:
+        """Whether admission looks ``request`` up: only from scratch (new, or preempted), and not when
+        prompt logprobs need every prompt position computed."""
+        return not request.num_computed_tokens and request.params.prompt_logprobs is None
 
     def _match_prefix(self, request: Request) -> PrefixMatch | None:
-        """The longest cached prefix of a request starting from scratch (new, or preempted)."""
-        if (
-            self.prefix_cache is None
-            or request.num_computed_tokens
-            or request.params.prompt_logprobs is not None
-        ):
-            return None  # prompt logprobs need every prompt position computed
+        """The longest cached prefix of a request starting from scratch."""
+        if self.prefix_cache is None or not self._reads_prefix_cache(request):
+            return None
         match = self.prefix_cache.match_prefix(request.token_ids)
         return match if match.blocks else None
 
-    def _reserve_new(self, request: Request, total_tokens: int, match: PrefixMatch | None) -> bool:
-        """Blocks for a request being admitted, its cached prefix shared instead of recomputed."""
+    def _record_first_admission(self, request: Request, num_cached: int) -> None:
+        """What the prefix cache gave the request's first admission. A preempted request's later ones
+        find its own earlier blocks, which says nothing about prompt reuse, so they are not counted."""
+        if request.num_preemptions:
+            return
+        request.num_cached_tokens = num_cached
+        if self.prefix_cache is not None and self._reads_prefix_cache(request):
+            self.stats.prefix_cache_queries += request.num_prompt_tokens
+            self.stats.prefix_cache_hits += num_cached
+
+    def _headroom_blocks(self, newcomer: Request, newcomer_tokens: int) -> int:
+        """Blocks admitting ``newcomer`` must leave free: those the running requests and the newcomer need to
+        generate ``admission_headroom`` of their remaining output. None while nothing runs, so the head of
+        the queue is always admitted once its own tokens fit."""
+        ratio = self.config.admission_headroom
+        if ratio == 0 or self.kv_cache is None or not self.running:
+            return 0
+        manager = self.kv_cache.manager
+
+        def growth(request: Request) -> int:
+            return math.ceil(ratio * max(0, request.max_tokens - request.num_output_tokens))
+
+        running = sum(manager.blocks_needed(r.request_id, r.num_tokens + growth(r)) for r in self.running)
+        newcomer_growth = manager.blocks_for_tokens(
+            newcomer_tokens + growth(newcomer)
+        ) - manager.blocks_for_tokens(newcomer_tokens)
+        return running + newcomer_growth
+
+    def _reserve_new(
+        self, request: Request, total_tokens: int, match: PrefixMatch | None, headroom_blocks: int = 0
+    ) -> bool:
+        """Blocks for a request being admitted, its cached prefix shared instead of recomputed, leaving
+        ``headroom_blocks`` free."""
         if match is None or self.prefix_cache is None or self.kv_cache is None:
-            return self._reserve(request, total_tokens)
+            return self._reserve(request, total_tokens, headroom_blocks)
         manager = self.kv_cache.manager
         new_blocks = manager.blocks_for_tokens(total_tokens) - len(match.blocks)
-        if new_blocks > self.prefix_cache.num_free_after_lock(match):
+        if new_blocks + headroom_blocks > self.prefix_cache.num_free_after_lock(match):
             return False
         self.prefix_cache.lock(match)
         self._locked_prefix[request] = match.node
@@ -172,12 +263,14 @@ class Scheduler:
         else:
             self.kv_cache.manager.check_integrity()
 
-    def _reserve(self, request: Request, total_tokens: int) -> bool:
-        """Make sure ``request`` has KV slots for ``total_tokens``; False when the pool is short."""
+    def _reserve(self, request: Request, total_tokens: int, headroom_blocks: int = 0) -> bool:
+        """Make sure ``request`` has KV slots for ``total_tokens``, leaving ``headroom_blocks`` free; False
+        when the pool is short."""
         if self.kv_cache is None:
             return True
         manager = self.kv_cache.manager
-        if not manager.can_allocate(total_tokens, request.request_id):
+        needed = manager.blocks_needed(request.request_id, total_tokens)
+        if needed + headroom_blocks > manager.num_free_blocks:
             return False
         manager.allocate(request.request_id, total_tokens)
         return True
@@ -188,8 +281,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.stats.num_preemptions += 1
+        self._queue_waiting(request, preempted=True)
         out.preempted.append(request)
 
     def _release(self, request: Request) -> None:

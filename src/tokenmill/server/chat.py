@@ -22,7 +22,14 @@ from tokenmill.server.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from tokenmill.server.responses import SSE_DONE, context, json_response_when_done, sse, streaming_response
+from tokenmill.server.responses import (
+    SSE_DONE,
+    context,
+    json_response_when_done,
+    sse,
+    streaming_response,
+    usage_info,
+)
 from tokenmill.server.sampling import chat_params
 
 router = APIRouter()
@@ -54,7 +61,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     ctx.check_model(body.model)
     params = chat_params(body)
     prompt = render_chat(ctx, body.messages, body.add_generation_prompt)
-    generation = await ctx.start([prompt], params, request)
+    generation = await ctx.start([prompt], params, request, body.priority)
     view = _ChatView(ctx, body, generation)
     if body.stream:
         return await streaming_response(generation, view.chunks())
@@ -86,21 +93,13 @@ class _ChatView:
             created=self.ctx.created,
             model=self.ctx.settings.served_model_name,
             choices=choices,
-            usage=self._usage(sum(len(result.token_ids) for result in results)),
+            usage=usage_info(self.generation, sum(len(result.token_ids) for result in results)),
         )
 
     def _logprobs(self, result: ChoiceResult) -> ChatLogprobs | None:
         if not self.body.logprobs:
             return None
         return chat_logprobs(result.logprobs, self.token_texts, self.num_top)
-
-    def _usage(self, completion_tokens: int) -> UsageInfo:
-        prompt_tokens = self.generation.num_prompt_tokens
-        return UsageInfo(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        )
 
     async def chunks(self) -> AsyncIterator[str]:
         for index in range(self.generation.num_choices):
@@ -115,7 +114,7 @@ class _ChatView:
             if step.text or delta.finished or (logprobs is not None and logprobs.content):
                 yield sse(self._chunk([self._stream_choice(index, step, logprobs)]))
         if self.body.include_usage:
-            yield sse(self._chunk([], self._usage(num_tokens)))
+            yield sse(self._chunk([], usage_info(self.generation, num_tokens)))
         yield SSE_DONE
 
     def _stream_choice(

@@ -25,7 +25,14 @@ from tokenmill.server.protocol import (
     PromptInput,
     UsageInfo,
 )
-from tokenmill.server.responses import SSE_DONE, context, json_response_when_done, sse, streaming_response
+from tokenmill.server.responses import (
+    SSE_DONE,
+    context,
+    json_response_when_done,
+    sse,
+    streaming_response,
+    usage_info,
+)
 from tokenmill.server.sampling import check_sequence_count, completion_params, make_params
 
 router = APIRouter()
@@ -53,7 +60,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     ctx.check_model(body.model)
     prompts = normalise_prompts(body.prompt)
     params = completion_params(body, len(prompts))
-    generation = await ctx.start(prompts, params, request)
+    generation = await ctx.start(prompts, params, request, body.priority)
     view = _CompletionView(ctx, body, params, prompts, generation)
     if body.stream:
         return await streaming_response(generation, view.chunks())
@@ -93,7 +100,7 @@ class _CompletionView:
             created=self.ctx.created,
             model=self.ctx.settings.served_model_name,
             choices=choices,
-            usage=self._usage(sum(len(result.token_ids) for result in results)),
+            usage=usage_info(self.generation, sum(len(result.token_ids) for result in results)),
         )
 
     def _choice(self, index: int, result: ChoiceResult) -> CompletionChoice:
@@ -125,14 +132,6 @@ class _CompletionView:
         echoed = echo_logprobs(prompt_ids, prompt_entries, self.token_texts)
         return join_completion_logprobs(echoed, generated)
 
-    def _usage(self, completion_tokens: int) -> UsageInfo:
-        prompt_tokens = self.generation.num_prompt_tokens
-        return UsageInfo(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        )
-
     async def chunks(self) -> AsyncIterator[str]:
         num_tokens = [0] * self.generation.num_choices
         text_offsets = [0] * self.generation.num_choices
@@ -154,7 +153,7 @@ class _CompletionView:
             if text or delta.finished or (logprobs is not None and logprobs.tokens):
                 yield sse(self._chunk([self._stream_choice(index, text, logprobs, step)]))
         if self.body.include_usage:
-            yield sse(self._chunk([], self._usage(sum(num_tokens))))
+            yield sse(self._chunk([], usage_info(self.generation, sum(num_tokens))))
         yield SSE_DONE
 
     def _stream_choice(
@@ -185,7 +184,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     ctx.check_model(body.model)
     check_sequence_count(body.n, 1)
     params = make_params(body, max_tokens=body.max_tokens)
-    generation = await ctx.start([body.prompt], params, request)
+    generation = await ctx.start([body.prompt], params, request, body.priority)
 
     def build(results: list[ChoiceResult]) -> dict[str, Any]:
         completion_tokens = sum(len(result.token_ids) for result in results)

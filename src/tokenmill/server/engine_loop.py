@@ -64,11 +64,12 @@ class RequestStream:
 
 @dataclass(frozen=True)
 class PromptSpec:
-    """One engine request: a prompt (text or token ids) and its sampling parameters."""
+    """One engine request: a prompt (text or token ids), its sampling parameters and priority."""
 
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
+    priority: int = 0
 
 
 @dataclass
@@ -239,7 +240,9 @@ class EngineLoop:
         added: list[list[int]] = []
         try:
             for spec in command.specs:
-                added.append(self.engine.add_request(spec.request_id, spec.prompt, spec.params))
+                added.append(
+                    self.engine.add_request(spec.request_id, spec.prompt, spec.params, spec.priority)
+                )
         except (TokenmillError, ValueError) as exc:  # InvalidRequestError, TokenizerError, ...
             self._undo_add(command.specs[: len(added)])
             deliveries.add(command.stream, Failed(HTTPStatus.BAD_REQUEST, str(exc), _param_in(str(exc))))
@@ -329,11 +332,14 @@ class EngineLoop:
 
     def _snapshot(self) -> EngineStats:
         engine = self.engine
+        scheduler_stats = engine.scheduler_stats()
         return EngineStats(
             num_running=engine.num_running,
             num_waiting=engine.num_waiting,
             kv_cache_usage=engine.kv_cache_usage(),
-            num_preemptions=engine.scheduler.num_preemptions,
+            num_preemptions=scheduler_stats.num_preemptions,
+            prefix_cache_queries=scheduler_stats.prefix_cache_queries,
+            prefix_cache_hits=scheduler_stats.prefix_cache_hits,
         )
 
 
@@ -369,7 +375,7 @@ def _run_call(command: _Call, engine: LLMEngine) -> None:
         command.future.set_exception(exc)
 
 
-_PARAM_NAMES = ("max_tokens", "stop_token_ids", "logit_bias", "stop", "prompt")
+_PARAM_NAMES = ("priority", "max_tokens", "stop_token_ids", "logit_bias", "stop", "prompt")
 
 
 def _param_in(message: str) -> str | None:

@@ -101,12 +101,16 @@ class ServerContext:
         return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
     async def start(
-        self, prompts: Sequence[str | list[int]], params: SamplingParams, client: Request
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        client: Request,
+        priority: int = 0,
     ) -> "Generation":
         """Admit and queue the prompts; returns once the engine has accepted all of them."""
         self._check_capacity(len(prompts) * params.n)
         base = f"req-{next(self._ids)}"
-        specs = [PromptSpec(f"{base}-{i}", prompt, params) for i, prompt in enumerate(prompts)]
+        specs = [PromptSpec(f"{base}-{i}", prompt, params, priority) for i, prompt in enumerate(prompts)]
         generation = Generation(self.engine_loop, specs, params.n, self._deadline(), client)
         try:
             self.engine_loop.submit(specs, generation.stream)
@@ -158,6 +162,7 @@ class Generation:
         self.prompt_index = {spec.request_id: index for index, spec in enumerate(specs)}
         self.prompt_token_ids: list[list[int]] = []
         self.num_choices = len(specs) * n
+        self._cached_tokens = [0] * len(specs)  # per prompt, the most any of its n sequences reported
         self._num_finished = 0
         self._buffered: list[tuple[int, RequestDelta]] = []
         self._closed = False
@@ -170,6 +175,11 @@ class Generation:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(ids) for ids in self.prompt_token_ids)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, over the deltas seen so far."""
+        return sum(self._cached_tokens)
 
     async def wait_accepted(self) -> None:
         item = await self._next_item()
@@ -211,7 +221,9 @@ class Generation:
             raise _unexpected(item)
         if item.finished:
             self._num_finished += 1
-        return self.prompt_index[item.request_id] * self.n + item.index, item
+        prompt_index = self.prompt_index[item.request_id]
+        self._cached_tokens[prompt_index] = max(self._cached_tokens[prompt_index], item.num_cached_tokens)
+        return prompt_index * self.n + item.index, item
 
     async def _next_item(self) -> StreamItem:
         queue = self.stream.queue

@@ -1,7 +1,8 @@
 """Prometheus metrics of the server, in one registry per app (so several apps can live in one process).
 
 Token counters and latency histograms are fed by the engine thread as deltas are routed; the engine's
-state (running / waiting requests, KV cache usage, preemptions) is read when ``/metrics`` is scraped.
+state (running / waiting requests, KV cache usage, preemptions, prefix-cache queries and hits in prompt
+tokens) is read when ``/metrics`` is scraped. Counters are exposed with the ``_total`` suffix.
 """
 
 from collections.abc import Callable, Iterator
@@ -34,6 +35,8 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class _EngineStateCollector(Collector):
@@ -52,7 +55,19 @@ class _EngineStateCollector(Collector):
             "tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).", state.kv_cache_usage
         )
         yield CounterMetricFamily(
-            "tokenmill:num_preemptions", "Preemptions of running sequences.", value=state.num_preemptions
+            "tokenmill:num_preemptions_total",
+            "Preemptions of running sequences.",
+            value=state.num_preemptions,
+        )
+        yield CounterMetricFamily(
+            "tokenmill:prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache at admission.",
+            value=state.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            "tokenmill:prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache at admission.",
+            value=state.prefix_cache_hits,
         )
 
 

@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
 Requests take the parameters vLLM honours (OpenAI's plus ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``); unknown fields are ignored,
-so clients written for other servers work. Types are checked here; ranges are checked by
+``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``, ``priority``); unknown fields
+are ignored, so clients written for other servers work. Types are checked here; ranges are checked by
 ``SamplingParams``, whose errors name the parameter.
 """
 
@@ -44,6 +44,7 @@ class SamplingRequest(_Request):
     user: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    priority: StrictInt = 0  # lower is served first; non-zero needs the engine's "priority" policy
 
     @property
     def include_usage(self) -> bool:
@@ -103,10 +104,15 @@ class DetokenizeRequest(_Request):
 # -- responses ----------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

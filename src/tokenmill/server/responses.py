@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokenmill.server.errors import APIError
 from tokenmill.server.generation import ChoiceResult, ClientDisconnectedError, Generation, ServerContext
+from tokenmill.server.protocol import PromptTokensDetails, UsageInfo
 
 # Not sent to anyone (the client is gone); nginx's code for it, shown in access logs.
 CLIENT_CLOSED_REQUEST = 499
@@ -25,6 +26,17 @@ SSE_DONE = "data: [DONE]\n\n"
 def context(request: Request) -> ServerContext:
     ctx: ServerContext = request.app.state.context
     return ctx
+
+
+def usage_info(generation: Generation, completion_tokens: int) -> UsageInfo:
+    """Token counts for ``usage``, once the generation is done (its cached tokens come with its deltas)."""
+    prompt_tokens = generation.num_prompt_tokens
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=generation.num_cached_tokens),
+    )
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
