@@ -423,3 +423,128 @@ def test_engine_with_triton_attention_matches_the_reference_loop(tiny_llama_fold
     outputs = run_to_completion(engine, {rid: (prompt, params) for rid, prompt in prompts.items()})
     for rid, prompt in prompts.items():
         assert outputs[rid].outputs[0].token_ids == greedy_generate(loaded.model, prompt, 6).token_ids, rid
+
+
+# -- the model layers on the kernels (EngineConfig.fused_*) --------------------------------------------
+
+KERNEL_TOGGLES = ("rms_norm", "rotary", "activation")
+# The kernels each toggle switches on, by the functions the layers call.
+KERNELS_OF_TOGGLE = {
+    "rms_norm": ("tokenmill.kernels.rmsnorm", ("rms_norm", "add_rms_norm")),
+    "rotary": ("tokenmill.kernels.rotary", ("apply_rotary_",)),
+    "activation": ("tokenmill.kernels.activation", ("silu_and_mul", "gelu_tanh_and_mul")),
+}
+# Relative (Frobenius) logit difference between the fused and the PyTorch model: the kernels round where
+# the layers do, so only float32 sums in another order differ (and then rounding, at half precision).
+MODEL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3", "gemma3"])
+def tiny_model_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Llama (fused residual norms, SwiGLU), Qwen3 (per-head q/k norms), Gemma 3 (1 + w norms, GeGLU)."""
+    from tiny_models import save_tiny_model
+
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    save_tiny_model(request.param, folder)
+    return folder
+
+
+def packed_logits(model: torch.nn.Module, lens: list[int], device: str) -> torch.Tensor:
+    """Logits of every position of a few packed sequences, with the reference attention (no cache)."""
+    from tokenmill.attention import ForwardContext, forward_context
+
+    generator = torch.Generator().manual_seed(sum(lens))
+    input_ids = torch.randint(3, 300, (sum(lens),), generator=generator).to(device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    metadata = AttentionMetadata.for_prefill(lens, device)
+    with torch.inference_mode(), forward_context(ForwardContext(metadata, TorchAttentionBackend())):
+        return model.compute_logits(model(input_ids, positions))  # type: ignore[operator]
+
+
+class KernelCalls:
+    """Counts the calls the layers make to each kernel function (monkeypatched wrappers)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import importlib
+
+        self.counts: dict[str, int] = {}
+        for toggle, (module_name, names) in KERNELS_OF_TOGGLE.items():
+            module = importlib.import_module(module_name)
+            for name in names:
+                monkeypatch.setattr(module, name, self._counting(toggle, getattr(module, name)))
+
+    def _counting(self, toggle: str, kernel):  # type: ignore[no-untyped-def]
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.counts[toggle] = self.counts.get(toggle, 0) + 1
+            return kernel(*args, **kwargs)
+
+        return wrapper
+
+    def used(self) -> set[str]:
+        used, self.counts = set(self.counts), {}
+        return used
+
+
+def test_fused_model_matches_pytorch_and_toggles_are_independent(  # type: ignore[no-untyped-def]
+    tiny_model_folder, device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All kernels on, each alone, and all off again: the logits of the PyTorch model every time, and
+    exactly the toggled kernels called."""
+    from tokenmill.kernels.options import KernelOptions
+    from tokenmill.loading import load_model
+
+    model = load_model(tiny_model_folder, device=device, dtype=dtype).model
+    lens = [5, 1, 9]
+    reference = packed_logits(model, lens, device)
+    calls = KernelCalls(monkeypatch)
+    settings = [dict.fromkeys(KERNEL_TOGGLES, True)] + [{name: True} for name in KERNEL_TOGGLES]
+    for setting in settings:
+        model.use_kernels(KernelOptions(**setting))
+        logits = packed_logits(model, lens, device)
+        assert calls.used() == set(setting), setting
+        difference = float((logits - reference).norm() / reference.norm())
+        assert difference <= MODEL_TOLERANCE[dtype], (setting, difference)
+    model.use_kernels(KernelOptions())
+    assert torch.equal(packed_logits(model, lens, device), reference)
+    assert calls.used() == set()
+
+
+def test_kernel_options_auto_is_off_on_cpu_and_explicit_on_needs_triton(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tokenmill.kernels.options import KernelOptions
+
+    assert KernelOptions.resolve("cpu") == KernelOptions()  # auto: never the interpreter
+    if interpreter_enabled():
+        assert KernelOptions.resolve("cpu", rotary=True).enabled == ("rotary",)
+    if ON_CUDA:
+        assert KernelOptions.resolve("cuda").enabled == KERNEL_TOGGLES
+        assert KernelOptions.resolve("cuda", activation=False).enabled == ("rms_norm", "rotary")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="fused rms_norm kernel needs Triton"):
+        KernelOptions.resolve("cpu", rms_norm=True)
+
+
+def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_folder) -> None:  # type: ignore[no-untyped-def]
+    """The EngineConfig toggles end to end: fused layers, fused sampling and Triton attention give the
+    greedy tokens of the single-sequence PyTorch loop, and a seeded sampled request runs through the
+    fused draw."""
+    from engine_helpers import engine_for, run_to_completion
+    from tokenmill import SamplingParams
+    from tokenmill.engine.greedy import greedy_generate
+    from tokenmill.loading import load_model
+
+    device = DEVICES[0]
+    loaded = load_model(tiny_llama_folder, device=device, dtype="float32")
+    reference = greedy_generate(loaded.model, [4, 8, 15, 16], 5).token_ids  # plain PyTorch: no kernels yet
+    engine = engine_for(
+        loaded, device=device, attention_backend="triton", block_size=4, num_kv_blocks=64, max_model_len=64,
+        fused_rms_norm=True, fused_rotary=True, fused_activation=True, fused_sampling=True,
+    )  # fmt: skip
+    assert loaded.model.kernel_options.enabled == KERNEL_TOGGLES
+    assert engine.runner.sampler.use_triton
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=5, ignore_eos=True)
+    outputs = run_to_completion(engine, {"a": ([4, 8, 15, 16], greedy), "b": ([23, 42], seeded)})
+    assert outputs["a"].outputs[0].token_ids == reference
+    assert len(outputs["b"].outputs[0].token_ids) == 5

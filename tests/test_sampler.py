@@ -16,6 +16,7 @@ from tokenmill.engine.sampler import (
     apply_penalties,
     apply_top_k_top_p_min_p,
     compute_prompt_logprobs,
+    top_k_values,
 )
 from tokenmill.engine.sampling_params import SamplingParams
 
@@ -36,9 +37,23 @@ def _with(params: SamplingParams, **changes: Any) -> SamplingParams:
     return dataclasses.replace(params, **changes)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], use_triton: bool = False) -> SamplerOutput:
     batch = SamplingBatch.build(rows, logits.shape[1], logits.device)
-    return Sampler()(logits, batch)
+    return Sampler(use_triton=use_triton)(logits, batch)
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    from tokenmill.kernels import triton_available
+
+    return triton_available(device)
+
+
+@pytest.fixture
+def fused_device(device: torch.device) -> torch.device:
+    """The device, for tests of the Triton draw (compiled on CUDA, interpreted on CPU)."""
+    if not triton_runs_on(device):
+        pytest.skip(f"Triton kernels cannot run on {device} here")
+    return device
 
 
 # ---- naive references -------------------------------------------------------------------------------------
@@ -179,6 +194,36 @@ def test_greedy_is_argmax(device: torch.device) -> None:
     assert torch.equal(out.token_ids, logits.argmax(dim=-1))
 
 
+def test_greedy_only_batch_builds_no_device_tensors(device: torch.device) -> None:
+    """All-greedy rows without edits: nothing is copied to the device and the draw is one argmax."""
+    rows = [SamplingRow(SamplingParams(temperature=0.0, top_p=0.5, seed=3), [1, 2], [3])] * 4
+    batch = SamplingBatch.build(rows, 300, device)
+    assert batch.all_greedy and batch.draw is None and batch.penalties is None
+    assert not batch.needs_logit_edits
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1)).to(device)
+    assert torch.equal(Sampler()(logits, batch).token_ids, logits.argmax(dim=-1))
+
+
+def test_fused_greedy_only_batch_is_the_argmax(fused_device: torch.device) -> None:
+    """The fused argmax over several column ranges per row, ties to the lowest id like torch's."""
+    logits = torch.randn(5, 5000, generator=torch.Generator().manual_seed(2)).to(fused_device)
+    logits[1, [10, 4000]] = 9.0
+    logits[2] = 1.0
+    logits[3, 4999] = 9.0
+    rows = [SamplingRow(SamplingParams(temperature=0.0))] * 5
+    out = sample(logits, rows, use_triton=True).token_ids
+    assert torch.equal(out, logits.argmax(dim=-1))
+    assert out[1:4].tolist() == [10, 0, 4999]
+
+
+@pytest.mark.parametrize(("rows", "vocab", "k"), [(1, 128256, 50), (3, 1001, 7), (2, 999, 1), (40, 3000, 20)])
+def test_top_k_values_in_two_rounds_equal_topk(device: torch.device, rows: int, vocab: int, k: int) -> None:
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)).to(device)
+    logits[0, -3:] = 50.0  # the largest values in the columns past the last whole chunk
+    logits[-1, :40] = 7.0  # ties across chunks
+    assert torch.equal(top_k_values(logits, k), logits.topk(k, dim=-1).values)
+
+
 def test_greedy_rows_mixed_with_sampled_rows(device: torch.device) -> None:
     torch.manual_seed(5)
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1)).to(device)
@@ -292,7 +337,12 @@ def test_out_of_vocabulary_bias_or_ban_is_rejected() -> None:
 
 
 def run_seeded_request(
-    device: torch.device, seeded: SamplingParams, seeded_logits: torch.Tensor, position: int, others: int
+    device: torch.device,
+    seeded: SamplingParams,
+    seeded_logits: torch.Tensor,
+    position: int,
+    others: int,
+    use_triton: bool = False,
 ) -> list[int]:
     """Decode 6 steps of one seeded request placed at ``position`` among ``others`` random requests."""
     g = torch.Generator().manual_seed(position * 100 + others)
@@ -310,7 +360,7 @@ def run_seeded_request(
         rows.insert(position, SamplingRow(seeded, [5, 6, 7], list(outputs)))
         logits = torch.randn(len(rows), vocab, generator=g)
         logits[position] = seeded_logits
-        outputs.append(int(sample(logits.to(device), rows).token_ids[position]))
+        outputs.append(int(sample(logits.to(device), rows, use_triton).token_ids[position]))
     return outputs
 
 
@@ -406,6 +456,90 @@ def test_prompt_logprobs(device: torch.device) -> None:
     assert single.logprobs.shape == (0,)
 
 
+# ---- the fused (Triton) draw -----------------------------------------------------------------------------
+
+FUSED_DRAWS = 20_000  # fewer than NUM_DRAWS: on CPU the kernel runs in Triton's interpreter
+FUSED_CASES: list[dict[str, Any]] = [
+    {"temperature": 0.5},
+    {"top_k": 3, "temperature": 1.4},
+    {"min_p": 0.2},
+    {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.05},
+]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_fused_draw_matches_target_distribution(case: dict[str, Any], fused_device: torch.device) -> None:
+    torch.manual_seed(4321)
+    logits = torch.tensor([SMALL_LOGITS], device=fused_device).expand(FUSED_DRAWS, -1)
+    rows = [SamplingRow(SamplingParams(**case))] * FUSED_DRAWS
+    expected = reference_probs(SMALL_LOGITS, **{**case, "top_k": max(case.get("top_k", 0), 0)})
+    assert_matches_distribution(sample(logits, rows, use_triton=True).token_ids, expected)
+
+
+def test_fused_draw_mixes_greedy_and_filtered_rows(fused_device: torch.device) -> None:
+    torch.manual_seed(77)
+    a: dict[str, Any] = {"temperature": 0.8, "top_k": 3}
+    b: dict[str, Any] = {"temperature": 1.5, "min_p": 0.02}
+    params = [SamplingParams(**a), SamplingParams(**b), SamplingParams(temperature=0.0)]
+    rows = [SamplingRow(params[i % 3]) for i in range(3 * 6000)]
+    logits = torch.tensor([SMALL_LOGITS], device=fused_device).expand(len(rows), -1)
+    tokens = sample(logits, rows, use_triton=True).token_ids
+    assert_matches_distribution(tokens[0::3], reference_probs(SMALL_LOGITS, **a))
+    assert_matches_distribution(tokens[1::3], reference_probs(SMALL_LOGITS, **b))
+    assert (tokens[2::3] == SMALL_LOGITS.index(max(SMALL_LOGITS))).all()
+
+
+def test_fused_draw_keeps_only_what_the_pytorch_filters_keep(fused_device: torch.device) -> None:
+    """Over a wide vocabulary (several column ranges per row), every drawn token survives the PyTorch
+    filters at the same temperature, ties at the top-k boundary included; greedy rows are the argmax."""
+    vocab = 3000
+    logits = torch.randn(24, vocab, generator=torch.Generator().manual_seed(12)).to(fused_device)
+    logits[:, 100:140] = 3.5  # tied across the top-k boundary
+    params = [
+        SamplingParams(temperature=0.9, top_k=25),
+        SamplingParams(temperature=1.3, min_p=0.3),
+        SamplingParams(temperature=0.6, top_k=50, min_p=0.1, seed=5),
+        SamplingParams(temperature=0.0),
+    ] * 6
+    rows = [SamplingRow(p) for p in params]
+    batch = SamplingBatch.build(rows, vocab, fused_device)
+    draw = batch.require_draw()
+    kept = torch.isfinite(apply_top_k_top_p_min_p(logits / draw.temperature.unsqueeze(1), batch))
+    for _ in range(3):
+        tokens = sample(logits, rows, use_triton=True).token_ids
+        assert kept.gather(1, tokens.unsqueeze(1)).all()
+        assert torch.equal(tokens[3::4], logits[3::4].argmax(dim=-1))
+
+
+def test_fused_greedy_ties_go_to_the_lowest_id(fused_device: torch.device) -> None:
+    """Greedy rows beside a sampled one go through the kernel: ties break like ``torch.argmax``."""
+    logits = torch.zeros(4, 2500, device=fused_device)
+    logits[0, [7, 2100]] = 1.0
+    logits[1, [1500, 2499]] = 2.0
+    logits[2] = 5.0  # all tied
+    rows = [SamplingRow(SamplingParams(temperature=0.0))] * 3 + [SamplingRow(SamplingParams())]
+    out = sample(logits, rows, use_triton=True)
+    assert out.token_ids[:3].tolist() == [7, 1500, 0]
+
+
+@pytest.mark.parametrize(
+    "filters", [{"top_k": 100, "min_p": 0.001}, {"top_p": 0.99}], ids=["top_k+min_p", "top_p"]
+)
+def test_fused_seeded_request_does_not_depend_on_the_batch(
+    filters: dict[str, Any], fused_device: torch.device
+) -> None:
+    seeded_logits = torch.randn(1000, generator=torch.Generator().manual_seed(8))
+    params = SamplingParams(seed=42, **filters)
+
+    def run(position: int, others: int, seeded: SamplingParams = params) -> list[int]:
+        return run_seeded_request(fused_device, seeded, seeded_logits, position, others, use_triton=True)
+
+    alone = run(0, 0)
+    assert len(set(alone)) > 1, "a seeded request must still vary from step to step"
+    assert run(2, 5) == alone
+    assert run(0, 0, _with(params, seed=43)) != alone
+
+
 # ---- SamplingParams ---------------------------------------------------------------------------------------
 
 INVALID_PARAMS = [
@@ -457,7 +591,8 @@ def test_params_defaults_and_normalisation() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_no_host_device_sync_on_cuda() -> None:
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+def test_no_host_device_sync_on_cuda(use_triton: bool) -> None:
     """Building the batch and sampling, penalties, seeds, filters and logprobs included, never waits on the
     GPU: CUDA's sync debug mode turns any synchronising call into an error."""
     vocab = 5000
@@ -475,7 +610,12 @@ def test_no_host_device_sync_on_cuda() -> None:
     torch.cuda.set_sync_debug_mode("error")
     try:
         batch = SamplingBatch.build(rows, vocab, logits.device)
-        out = Sampler()(logits, batch)
+        out = Sampler(use_triton=use_triton)(logits, batch)
+        greedy_rows = [SamplingRow(SamplingParams(temperature=0.0))] * 8
+        greedy = Sampler(use_triton=use_triton)(
+            logits, SamplingBatch.build(greedy_rows, vocab, logits.device)
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.token_ids.shape == (8,)
+    assert torch.equal(greedy.token_ids, logits.argmax(dim=-1))

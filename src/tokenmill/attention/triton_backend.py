@@ -1,7 +1,10 @@
 """Attention in Triton kernels: the new K/V are written into the paged pool by one kernel, then attention
 reads them in place through the block tables (no gather, no padding, no mask tensor).
 
-* decode steps (every sequence has one new token) use split-K paged decoding;
+* decode steps (every sequence has one new token) use split-K paged decoding, its launch fixed by the
+  batch size and ``metadata.max_seq_len`` alone (read as a bound: a CUDA graph captured with
+  ``max_seq_len = max_model_len`` replays correctly for every shorter context; see
+  ``tokenmill.kernels.paged_attention.plan_decode_split``);
 * prefill, chunked prefill and mixed batches use the variable-length causal kernel;
 * without a KV cache, whole packed sequences attend to themselves.
 

@@ -2,9 +2,19 @@
 
 Every kernel is first checked against its reference on the same inputs; a kernel whose output differs
 is reported WRONG and not timed. Times are medians of ``triton.testing.do_bench`` (L2 flushed before
-each run). GB/s counts the bytes a kernel must move at least (read once, written once), shown against
-a device-to-device copy measured in the same run; prefill rows give TFLOP/s instead. The attention
-peer is torch SDPA on contiguous, unpaged K/V: the speed of light for a kernel that reads a paged cache.
+each run; while the flush runs on the GPU the host queues the timed launches, so for calls whose host
+work is shorter than the flush this is GPU time). ``graph us`` replays the call from a CUDA graph, as the
+engine's decode graphs do (decode attention captured with ``max_seq_len`` = the largest context, as
+the engine captures with ``max_model_len``, 16 calls per graph on separate KV pools like a 16-layer
+model's, time per call); ``host us`` is the host time per call of back-to-back eager
+calls: the launch cost an eager step pays. GB/s counts the bytes a kernel must move at least (read once,
+written once), shown against a device-to-device copy measured in the same run; prefill rows give
+TFLOP/s instead. The attention peer is torch SDPA on contiguous, unpaged K/V: the speed of light for a
+kernel that reads a paged cache.
+
+Further sections: the sampler step (``tokenmill.benchmarks.sampler_bench``), the model layers on the
+fused kernels against PyTorch (``tokenmill.benchmarks.fused_model_bench``) and, with ``--decode-sweep``,
+decode attention under CUDA graphs over split counts and tiles (to tune ``plan_decode_split``).
 
     python -m tokenmill.benchmarks.kernels [--dtype bfloat16] [--quick] [--sweep] [--json PATH]
 
@@ -13,11 +23,13 @@ checks the script itself on a machine without a GPU.
 """
 
 import argparse
+import functools
 import json
 import math
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -65,9 +77,12 @@ class Sizes:
     mixed: tuple[int, int, int]  # prefill chunk, decode sequences, their context
 
 
-FULL = Sizes((1, 256, 4096), (1, 16, 64, 256), (512, 2048, 8192), 2048, (512, 64, 2048))
-QUICK = Sizes((1, 4096), (1, 64), (512, 8192), 2048, (512, 64, 2048))
+FULL = Sizes((1, 256, 4096), (1, 8, 64, 256), (128, 1024, 8192), 2048, (512, 64, 2048))
+QUICK = Sizes((1, 4096), (1, 64), (128, 8192), 2048, (512, 64, 2048))
 SMOKE = Sizes((1, 5), (1, 3), (40, 100), 48, (20, 3, 40))
+HOST_TIMING_CALLS = 200
+GRAPH_LAYERS = 16  # Llama-3.2-1B's layer count: one graph replays this many decode attention calls
+GRAPH_INPUT_BYTES = 4 << 30
 
 
 @dataclass
@@ -83,6 +98,8 @@ class Case:
     flops: int = 0
     peer: Callable[[], Callable[[], object]] | None = None  # builds a timed peer call
     time_reference: bool = True
+    # Inputs for the CUDA-graph timing, when they differ from make_inputs' (decode: a max_seq_len bound).
+    graph_inputs: Callable[[Any], Any] | None = None
 
 
 @dataclass
@@ -93,6 +110,8 @@ class Row:
     triton_s: float | None = None
     torch_s: float | None = None
     peer_s: float | None = None
+    graph_s: float | None = None  # the Triton call replayed from a CUDA graph
+    host_s: float | None = None  # host time per eager Triton call, back to back
     bytes_moved: int = 0
     flops: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -118,6 +137,42 @@ class Timer:
             fn()
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
+
+    def graphed(self, fn: Callable[[], object]) -> float | None:
+        """Median seconds per replay of ``fn`` captured in a CUDA graph (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as capture wants
+            fn()
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+        except RuntimeError as error:  # the call does something a graph cannot hold (a host copy...)
+            print(f"    (not capturable: {str(error).splitlines()[0][:100]})", flush=True)
+            return None
+        seconds = self(graph.replay)
+        del graph
+        return seconds
+
+    def host(self, fn: Callable[[], object], calls: int = HOST_TIMING_CALLS) -> float:
+        """Host seconds per call of ``calls`` back-to-back calls (the device catches up afterwards)."""
+        fn()
+        self.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        seconds = (time.perf_counter() - start) / calls
+        self.synchronize()
+        return seconds
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def copy_bandwidth(timer: Timer, device: torch.device, num_bytes: int) -> float:
@@ -154,9 +209,30 @@ def run_case(case: Case, timer: Timer, dtype: torch.dtype) -> Row:
         row.status = f"WRONG ({difference:.1e})"
         return row
     row.triton_s, row.torch_s = times
+    if case.graph_inputs is not None:
+        row.graph_s = _graphed_per_layer(case, timer)
+        inputs = case.graph_inputs(case.make_inputs())
+        row.host_s = timer.host(lambda: case.triton_fn(inputs))
+        del inputs
     if case.peer is not None:  # after the inputs above are freed
         row.peer_s = timer(case.peer())
     return row
+
+
+def _graphed_per_layer(case: Case, timer: Timer) -> float | None:
+    """Seconds per call in a graph of ``GRAPH_LAYERS`` calls on separate inputs (as a model's layers
+    run, each on its own KV), which spreads the graph's launch over them; one call when that many
+    copies of the inputs would not fit ``GRAPH_INPUT_BYTES``."""
+    assert case.graph_inputs is not None
+    layers = GRAPH_LAYERS if case.bytes_moved * GRAPH_LAYERS <= GRAPH_INPUT_BYTES else 1
+    copies = [case.graph_inputs(case.make_inputs()) for _ in range(layers)]
+
+    def all_layers() -> None:
+        for inputs in copies:
+            case.triton_fn(inputs)
+
+    seconds = timer.graphed(all_layers)
+    return seconds / layers if seconds is not None else None
 
 
 def _check_then_time(
@@ -456,22 +532,28 @@ def sdpa_peer(
 
 def decode_cases(shape: ModelShape, sizes: Sizes, dtype: torch.dtype, device: torch.device) -> list[Case]:
     cases = []
+    bound = max(sizes.decode_contexts)  # what a decode graph is captured with (max_model_len)
     for context in sizes.decode_contexts:
         for batch in sizes.decode_batches:
             seq_lens, query_lens = [context] * batch, [1] * batch
-            cases.append(
-                attention_case(
-                    "decode attention",
-                    f"B={batch} ctx={context}",
-                    batch_maker(shape, seq_lens, query_lens, dtype, device),
-                    shape,
-                    seq_lens,
-                    query_lens,
-                    dtype,
-                    sdpa_peer(shape, batch, 1, context, dtype, device),
-                )
+            case = attention_case(
+                "decode attention",
+                f"B={batch} ctx={context}",
+                batch_maker(shape, seq_lens, query_lens, dtype, device),
+                shape,
+                seq_lens,
+                query_lens,
+                dtype,
+                sdpa_peer(shape, batch, 1, context, dtype, device),
             )
+            cases.append(replace(case, graph_inputs=functools.partial(with_max_seq_len, bound=bound)))
     return cases
+
+
+def with_max_seq_len(inputs: AttentionInputs, bound: int) -> AttentionInputs:
+    """The same step described with ``max_seq_len`` = ``bound``, as a captured decode graph sees it."""
+    inputs.metadata = replace(inputs.metadata, max_seq_len=bound, derived={})
+    return inputs
 
 
 def prefill_cases(shape: ModelShape, sizes: Sizes, dtype: torch.dtype, device: torch.device) -> list[Case]:
@@ -589,6 +671,8 @@ def format_rows(rows: Sequence[Row], copy_bytes_per_s: float) -> str:
         "shape",
         "check",
         "triton us",
+        "graph us",
+        "host us",
         "torch us",
         "speedup",
         "sdpa us",
@@ -598,7 +682,8 @@ def format_rows(rows: Sequence[Row], copy_bytes_per_s: float) -> str:
     ]
     lines = []
     for row in rows:
-        gbps = row.bytes_moved / row.triton_s / 1e9 if row.triton_s and row.bytes_moved else None
+        fastest = min((t for t in (row.triton_s, row.graph_s) if t), default=None)
+        gbps = row.bytes_moved / fastest / 1e9 if fastest and row.bytes_moved else None
         is_prefill = "prefill" in row.kernel or "varlen" in row.kernel
         lines.append(
             [
@@ -606,6 +691,8 @@ def format_rows(rows: Sequence[Row], copy_bytes_per_s: float) -> str:
                 row.shape,
                 row.status,
                 _us(row.triton_s),
+                _us(row.graph_s),
+                _us(row.host_s),
                 _us(row.torch_s),
                 f"{row.torch_s / row.triton_s:.2f}x" if row.triton_s and row.torch_s else "-",
                 _us(row.peer_s),
@@ -638,6 +725,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up budget (default 25)")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring budget (default 100)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the kernel-by-kernel table")
+    parser.add_argument("--no-sampler", action="store_true", help="skip the sampler step")
+    parser.add_argument("--no-model", action="store_true", help="skip the fused-model check")
+    parser.add_argument(
+        "--decode-sweep", action="store_true", help="decode attention under CUDA graphs over split counts"
+    )
+    parser.add_argument(
+        "--profile-host", action="store_true", help="cProfile of eager decode calls (host time)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -656,8 +752,10 @@ def run(args: argparse.Namespace) -> int:
     cases += decode_cases(shape, sizes, dtype, device) + prefill_cases(shape, sizes, dtype, device)
     if args.only:
         cases = [c for c in cases if args.only in c.kernel]
-    rows = _run_all(cases, timer, dtype, device)
-    print("\n" + format_rows(rows, copy_bytes_per_s), flush=True)
+    rows = _run_all(cases, timer, dtype, device) if not args.no_kernels else []
+    if rows:
+        print("\n" + format_rows(rows, copy_bytes_per_s), flush=True)
+    wrong = _extra_sections(args, timer, device, dtype, sizes)
     if args.sweep:
         sweep = [
             c for c in sweep_cases(shape, sizes, dtype, device) if not args.only or args.only in c.kernel
@@ -674,10 +772,79 @@ def run(args: argparse.Namespace) -> int:
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
-    wrong = [r for r in rows if r.status != "ok"]
-    for row in wrong:
-        print(f"error: {row.kernel} [{row.shape}] {row.status}", file=sys.stderr)
+    wrong += [f"{r.kernel} [{r.shape}] {r.status}" for r in rows if r.status != "ok"]
+    for line in wrong:
+        print(f"error: {line}", file=sys.stderr)
     return 1 if wrong else 0
+
+
+def _extra_sections(
+    args: argparse.Namespace, timer: Timer, device: torch.device, dtype: torch.dtype, sizes: Sizes
+) -> list[str]:
+    """The host profiles, decode sweep, sampler and fused-model sections, each on its own (one that
+    fails is reported and the next still runs); returns what failed its check."""
+    sections: list[tuple[str, bool, Callable[[], list[str]]]] = [
+        ("host profile", args.profile_host and device.type == "cuda", lambda: _host_profiles(device, dtype)),
+        (
+            "decode sweep",
+            args.decode_sweep and device.type == "cuda",
+            lambda: _decode_sweep(timer, device, dtype),
+        ),
+        ("sampler", not args.no_sampler, lambda: _sampler_section(timer, device, sizes)),
+        ("fused model", not args.no_model and device.type == "cuda", lambda: _model_section(timer, device)),
+    ]
+    wrong: list[str] = []
+    for name, wanted, section in sections:
+        if not wanted:
+            continue
+        try:
+            wrong += section()
+        except Exception:  # report it; the other sections still run
+            print(f"\n{name} section failed:\n{traceback.format_exc()}", flush=True)
+            wrong.append(f"{name} section raised")
+    return wrong
+
+
+def _host_profiles(device: torch.device, dtype: torch.dtype) -> list[str]:
+    from tokenmill.benchmarks import decode_sweep, sampler_bench
+
+    print("\nHost profile of eager decode calls (B=1)\n\n" + decode_sweep.profile_decode_host(device, dtype))
+    profile = sampler_bench.profile_sampler_host(device, sampler_bench.SamplingParams(temperature=0.8))
+    print("\nHost profile of fused sampler steps (B=1, temperature)\n\n" + profile, flush=True)
+    return []
+
+
+def _decode_sweep(timer: Timer, device: torch.device, dtype: torch.dtype) -> list[str]:
+    from tokenmill.benchmarks import decode_sweep
+
+    rows, defaults = decode_sweep.decode_sweep(timer, device, dtype)
+    print("\n" + decode_sweep.default_plans(device, dtype, decode_sweep.BATCHES, max(decode_sweep.CONTEXTS)))
+    print(
+        "\nDecode attention under CUDA graphs (us)\n\n" + decode_sweep.format_sweep(rows, defaults),
+        flush=True,
+    )
+    return []
+
+
+def _sampler_section(timer: Timer, device: torch.device, sizes: Sizes) -> list[str]:
+    from tokenmill.benchmarks import sampler_bench
+
+    smoke = sizes is SMOKE
+    vocab = 1000 if smoke else sampler_bench.VOCAB
+    rows = sampler_bench.sampler_rows(timer, device, (1, 3) if smoke else sampler_bench.BATCHES, vocab)
+    print(f"\nSampler step, vocab {vocab}\n\n" + sampler_bench.format_sampler_rows(rows), flush=True)
+    return [f"sampler {r.params} B={r.batch} {r.status}" for r in rows if r.status != "ok"]
+
+
+def _model_section(timer: Timer, device: torch.device) -> list[str]:
+    from tokenmill.benchmarks import fused_model_bench
+
+    rows = fused_model_bench.fused_model_rows(timer, device)
+    print(
+        "\nFused layer kernels in real model shapes\n\n" + fused_model_bench.format_model_rows(rows),
+        flush=True,
+    )
+    return [f"fused model {r.preset} {r.dtype} {r.status}" for r in rows if r.status != "ok"]
 
 
 def _run_all(cases: Sequence[Case], timer: Timer, dtype: torch.dtype, device: torch.device) -> list[Row]:

@@ -1,5 +1,7 @@
 """Sizing and allocating the per-layer KV pool that the block tables index into."""
 
+from dataclasses import dataclass
+
 import torch
 
 from tokenmill.attention.context import KVCacheLayer
@@ -33,6 +35,54 @@ def num_blocks_for_budget(
     return num_blocks
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What KV sizing needs to know about a GPU's memory, read once (see :func:`read_device_memory`)."""
+
+    total_bytes: int
+    free_bytes: int  # free on the device right now, whoever holds the rest
+    peak_used_bytes: int  # this process's peak PyTorch reservation: weights plus profiled activations
+
+
+def read_device_memory(device: torch.device | str | int | None = None) -> DeviceMemory:
+    """Read after the profiling forward passes and ``torch.cuda.empty_cache()``: the peak then covers the
+    activations, and the free memory no longer counts them as taken."""
+    if not torch.cuda.is_available():
+        raise ValueError("no CUDA device: size the KV cache with num_blocks_for_budget and a byte budget")
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total_bytes, free_bytes, torch.cuda.max_memory_reserved(device))
+
+
+def kv_budget_bytes(memory: DeviceMemory, gpu_memory_utilization: float, reserve_bytes: int = 0) -> int:
+    """``min(utilization x total - peak used, free) - reserve``: the KV pool may take this much."""
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    share = int(memory.total_bytes * gpu_memory_utilization) - memory.peak_used_bytes
+    return min(share, memory.free_bytes) - reserve_bytes
+
+
+def num_blocks_for_device_memory(
+    memory: DeviceMemory,
+    gpu_memory_utilization: float,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    reserve_bytes: int = 0,
+) -> int:
+    """Blocks that fit in :func:`kv_budget_bytes`; the error spells the budget's terms out."""
+    budget = kv_budget_bytes(memory, gpu_memory_utilization, reserve_bytes)
+    try:
+        return num_blocks_for_budget(budget, block_size, num_layers, num_kv_heads, head_dim, dtype)
+    except ValueError as error:
+        raise ValueError(
+            f"{error}; the budget is min({gpu_memory_utilization} x {memory.total_bytes / _GIB:.2f} GiB "
+            f"total - {memory.peak_used_bytes / _GIB:.2f} GiB used by this process, "
+            f"{memory.free_bytes / _GIB:.2f} GiB free) - {reserve_bytes / _GIB:.2f} GiB reserved"
+        ) from None
+
+
 def num_blocks_from_gpu_memory(
     gpu_memory_utilization: float,
     block_size: int,
@@ -52,20 +102,9 @@ def num_blocks_from_gpu_memory(
     """
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if not torch.cuda.is_available():
-        raise ValueError("no CUDA device: size the KV cache with num_blocks_for_budget and a byte budget")
-    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    used_by_process = torch.cuda.max_memory_reserved(device)
-    share = int(total_bytes * gpu_memory_utilization) - used_by_process
-    budget = min(share, free_bytes) - reserve_bytes
-    try:
-        return num_blocks_for_budget(budget, block_size, num_layers, num_kv_heads, head_dim, dtype)
-    except ValueError as error:
-        raise ValueError(
-            f"{error}; the budget is min({gpu_memory_utilization} x {total_bytes / _GIB:.2f} GiB total - "
-            f"{used_by_process / _GIB:.2f} GiB used by this process, {free_bytes / _GIB:.2f} GiB free) - "
-            f"{reserve_bytes / _GIB:.2f} GiB reserved"
-        ) from None
+    memory = read_device_memory(device)
+    shape = (block_size, num_layers, num_kv_heads, head_dim, dtype)
+    return num_blocks_for_device_memory(memory, gpu_memory_utilization, *shape, reserve_bytes=reserve_bytes)
 
 
 def allocate_kv_pool(

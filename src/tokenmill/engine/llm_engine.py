@@ -13,15 +13,17 @@ import torch
 
 from tokenmill.attention import AttentionBackend, TorchAttentionBackend
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.cuda_graphs import cuda_graph_sizes
 from tokenmill.engine.kv_cache import KVCache, create_kv_cache
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import RequestDelta
 from tokenmill.engine.request import FinishReason, Request
 from tokenmill.engine.sampler import RowLogprobs
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import Scheduler, SchedulerStats
 from tokenmill.engine.text_output import TextOutput
 from tokenmill.errors import TokenmillError
+from tokenmill.kernels.options import KernelOptions, resolve_kernel_toggle
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.tokenizer import Tokenizer
 
@@ -62,15 +64,36 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self._eos_token_ids()
         dtype = next(self.loaded.model.parameters()).dtype
+        self.loaded.model.use_kernels(self._kernel_options())  # before the runner (and any graph capture)
+        self.runner = ModelRunner(self.loaded.model, None, self._attention_backend(), self.device)
+        self.runner.sampler.use_triton = resolve_kernel_toggle("sampling", config.fused_sampling, self.device)
+        # On CUDA the pool is sized after profiling the largest step through the runner.
         self.kv_cache: KVCache | None = create_kv_cache(
-            config, self.model_config, self.max_model_len, self.device, dtype
+            config, self.model_config, self.max_model_len, self.device, dtype, self.runner.profile_forward
         )
+        self.runner.kv_cache = self.kv_cache
         self.scheduler = Scheduler(config, self.kv_cache)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self._attention_backend(), self.device)
+        self.runner.capture_decode_graphs(
+            cuda_graph_sizes(config, self.device),
+            self.max_model_len,
+            overlap=config.overlap_decode,
+            requests_waiting=self._may_admit_next_step,
+        )
         self.sequences: dict[str, list[Request]] = {}
         self.texts: dict[Request, TextOutput] = {}
         self._pending: list[RequestDelta] = []
         torch.manual_seed(config.seed)
+
+    def _may_admit_next_step(self) -> bool:
+        """Whether the next step may admit a waiting request (so it would differ from this one)."""
+        return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.config.max_running
+
+    def _kernel_options(self) -> KernelOptions:
+        """The model layers' fused kernels, from the ``fused_*`` toggles (None: on with CUDA + Triton)."""
+        config = self.config
+        return KernelOptions.resolve(
+            self.device, config.fused_rms_norm, config.fused_rotary, config.fused_activation
+        )
 
     def _attention_backend(self) -> AttentionBackend:
         if self.config.attention_backend == "torch":
@@ -106,12 +129,18 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
     ) -> list[int]:
-        """Queue a request (``params.n`` sequences); returns its prompt token ids."""
+        """Queue a request (``params.n`` sequences); returns its prompt token ids. ``priority``: lower is
+        served first, under the ``priority`` scheduling policy only."""
         params = params or SamplingParams()
         if request_id in self.sequences:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
+        self._check_priority(priority)
         prompt_ids = self._prompt_ids(prompt)
         max_tokens = self._check_lengths(len(prompt_ids), params)
         self._check_token_ids(params)
@@ -127,6 +156,7 @@ class LLMEngine:
                 child_params,
                 max_tokens,
                 self.eos_token_ids,
+                priority=priority,
                 parent_id=request_id,
                 index=index,
             )
@@ -138,6 +168,15 @@ class LLMEngine:
         for request in children:
             self.scheduler.add(request)
         return prompt_ids
+
+    def _check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"Got priority {priority} but Priority scheduling is not enabled "
+                "(set scheduling_policy='priority')"
+            )
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -285,6 +324,10 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """A copy of the scheduler's counters: preemptions, prefix-cache queries and hits (in tokens)."""
+        return dataclasses.replace(self.scheduler.stats)
 
     def kv_cache_usage(self) -> float:
         return self.kv_cache.manager.usage() if self.kv_cache is not None else 0.0

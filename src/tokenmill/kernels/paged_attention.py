@@ -7,9 +7,13 @@ The pool is ``[num_blocks, block_size, Hkv, D]``; position ``p`` of sequence ``b
 Both kernels put the query heads that share a KV head into one program (GQA), so each K/V tile is loaded
 once for the whole group, and keep a running (max, sum) softmax in base 2 (the scale folds in log2 e).
 
-* Decode (one query per sequence): flash-decoding. The context is cut into partitions, one program
-  per (sequence, KV head, partition), so a single long sequence still fills the GPU; a second kernel
-  merges the partitions' partial outputs by their softmax maxima and sums.
+* Decode (one query per sequence): flash-decoding. Each sequence's context is cut into ``num_splits``
+  equal partitions, one program per (sequence, KV head, partition), so a single long sequence still
+  fills the GPU; a second kernel merges the partitions' partial outputs by their softmax maxima and
+  sums. With one split the first kernel writes the output itself (no second launch). The number of
+  splits is fixed on the host from the batch size and a bound on the context (:func:`plan_decode_split`),
+  the partition length on the device from each sequence's own length, so the launch is the same for
+  every step of a CUDA graph while short contexts still spread over the splits.
 * Prefill / mixed batches: each program takes a tile of consecutive query tokens of one sequence
   (times the group's heads as rows); key tiles that every row sees skip the mask.
 """
@@ -25,9 +29,11 @@ from tokenmill.kernels._common import cdiv, next_power_of_2, require_unit_last_s
 
 LOG2E = math.log2(math.e)
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows on the GPU
-DECODE_PROGRAMS_PER_SM = 4  # split decode until about this many programs per SM...
-DECODE_MIN_PARTITION = 256  # ...but not into partitions shorter than this...
-DECODE_MAX_SPLITS = 64  # ...nor into more than this many
+# Split decode while the programs stay within about this many per SM (H200, graph replay: 4 per SM
+# was best at batch 1 and 8; a batch of 64 already has 4 per SM unsplit, and splitting it cost 15%)...
+DECODE_PROGRAMS_PER_SM = 4
+DECODE_MIN_PARTITION = 128  # ...into partitions of the bound no shorter than this (keys)...
+DECODE_MAX_SPLITS = 64  # ...and no more than this many
 
 
 class PrefillConfig(NamedTuple):
@@ -41,6 +47,16 @@ class DecodeConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+
+
+class DecodeSplit(NamedTuple):
+    """How decode attention cuts each sequence's context: into ``num_splits`` partitions of
+    ``max(ceil(context / num_splits), min_partition)`` keys (rounded up to whole key tiles), the last
+    ones empty when the context is short. Both numbers are launch parameters: for a CUDA graph they
+    must come from values fixed at capture (see :func:`plan_decode_split`)."""
+
+    num_splits: int
+    min_partition: int  # keys, a multiple of the config's block_n
 
 
 def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
@@ -158,7 +174,23 @@ def _attend_range(
 # -- decode ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["window", "partition_size", "num_splits"])
+@triton.jit
+def _context_range(seq_len: tl.tensor, window: int, has_window: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """First visible key position and the number of visible keys of a decode query at ``seq_len - 1``."""
+    start = tl.maximum(seq_len - window, 0) if has_window else seq_len * 0
+    return start, seq_len - start
+
+
+@triton.jit
+def _partition_length(
+    context_len: tl.tensor, num_splits: int, min_partition: int, block_n: tl.constexpr
+) -> tl.tensor:
+    """Keys per partition for this sequence: its context over the splits, in whole key tiles."""
+    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), block_n) * block_n
+    return tl.maximum(per_split, min_partition)
+
+
+@triton.jit(do_not_specialize=["window", "min_partition", "num_splits"])
 def _decode_kernel(
     query_ptr: tl.tensor,
     key_pool_ptr: tl.tensor,
@@ -171,7 +203,7 @@ def _decode_kernel(
     part_sum_ptr: tl.tensor,
     scale_log2: float,
     window: int,
-    partition_size: int,
+    min_partition: int,
     num_query_heads: int,
     num_splits: int,
     query_token_stride: int,
@@ -195,9 +227,12 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     partition = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    context_start = tl.maximum(seq_len - window, 0) if has_window else 0
-    lo = context_start + partition * partition_size
-    hi = tl.minimum(lo + partition_size, seq_len)
+    context_start, context_len = _context_range(seq_len, window, has_window)
+    partition_len = _partition_length(context_len, num_splits, min_partition, block_n)
+    lo = context_start + partition * partition_len
+    if lo >= seq_len:  # past this sequence's context: the merge does not read this partition
+        return
+    hi = tl.minimum(lo + partition_len, seq_len)
 
     rows = tl.arange(0, group_block)  # row r is query head kv_head * group + r
     heads = kv_head * group + rows
@@ -233,8 +268,7 @@ def _decode_kernel(
         True,
         precision,
     )
-    # row_sum is 0 only in a partition past the end of a shorter sequence's context.
-    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    out = acc / row_sum[:, None]  # every partition that gets here holds at least one visible key
     if split:
         part = (seq * num_query_heads + heads) * num_splits + partition
         tl.store(part_out_ptr + part[:, None] * head_dim + dims[None, :], out, mask=row_ok[:, None])
@@ -245,7 +279,7 @@ def _decode_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["window", "partition_size", "num_splits"])
+@triton.jit(do_not_specialize=["window", "min_partition", "num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr: tl.tensor,
     part_max_ptr: tl.tensor,
@@ -253,20 +287,22 @@ def _decode_reduce_kernel(
     seq_lens_ptr: tl.tensor,
     out_ptr: tl.tensor,
     window: int,
-    partition_size: int,
+    min_partition: int,
     num_query_heads: int,
     num_splits: int,
     out_token_stride: int,
     out_head_stride: int,
     head_dim: tl.constexpr,
     split_block: tl.constexpr,
+    block_n: tl.constexpr,
     has_window: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = tl.minimum(seq_len, window) if has_window else seq_len
-    used = tl.cdiv(context_len, partition_size)  # partitions past the context wrote nothing useful
+    _, context_len = _context_range(seq_len, window, has_window)
+    partition_len = _partition_length(context_len, num_splits, min_partition, block_n)
+    used = tl.cdiv(context_len, partition_len)  # partitions past the context wrote nothing
     splits = tl.arange(0, split_block)
     used_mask = splits < used
     parts = (seq * num_query_heads + head) * num_splits + splits
@@ -294,26 +330,28 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     partition_size: int | None = None,
     config: DecodeConfig | None = None,
+    split: DecodeSplit | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``query`` ``[B, Hq, D]`` → ``[B, Hq, D]``.
 
-    ``partition_size`` (keys per split-K program) defaults to a size that gives the GPU enough programs;
-    ``max_seq_len`` bounds ``seq_lens`` and sizes the grid without a device sync.
+    ``max_seq_len`` bounds ``seq_lens`` (no device sync); with ``B`` it fixes the launch (grid, splits),
+    so a CUDA graph captured with ``max_seq_len`` = the longest context it will see (``max_model_len``)
+    replays correctly for any shorter one. ``partition_size`` fixes the keys per split-K program and
+    ``split`` the whole split (tuning and tests); by default :func:`plan_decode_split` chooses.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = _check_pools(query, key_pool, value_pool)
     config = config or default_decode_config(head_dim, query.dtype)
-    group = num_heads // num_kv_heads
     max_context = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
-    if partition_size is None:
-        partition_size = _decode_partition_size(max_context, num_seqs * num_kv_heads, query.device)
-    partition_size = cdiv(partition_size, config.block_n) * config.block_n
-    num_splits = max(1, cdiv(max_context, partition_size))
+    if split is None:
+        split = plan_decode_split(
+            num_seqs, num_kv_heads, max_context, query.device, config.block_n, partition_size
+        )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
-    partials = _decode_partials(num_seqs, num_heads, num_splits, head_dim, query.device)
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    partials = _decode_partials(num_seqs, num_heads, split.num_splits, head_dim, query.device)
+    _decode_kernel[(num_seqs, num_kv_heads, split.num_splits)](
         query,
         key_pool,
         value_pool,
@@ -323,9 +361,9 @@ def paged_decode_attention(
         *partials,
         scale * LOG2E,
         sliding_window or 0,
-        partition_size,
+        split.min_partition,
         num_heads,
-        num_splits,
+        split.num_splits,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -334,41 +372,73 @@ def paged_decode_attention(
         key_pool.stride(0),
         key_pool.stride(1),
         key_pool.stride(2),
-        group=group,
-        group_block=max(MIN_DOT_ROWS, next_power_of_2(group)),
+        group=num_heads // num_kv_heads,
+        group_block=max(MIN_DOT_ROWS, next_power_of_2(num_heads // num_kv_heads)),
         head_dim=head_dim,
         block_n=config.block_n,
         block_size=key_pool.shape[1],
         has_window=bool(sliding_window),
-        split=num_splits > 1,
+        split=split.num_splits > 1,
         precision=_dot_precision(query.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if num_splits > 1:
-        split_block = next_power_of_2(num_splits)
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            *partials,
-            seq_lens,
-            out,
-            sliding_window or 0,
-            partition_size,
-            num_heads,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            head_dim=head_dim,
-            split_block=split_block,
-            has_window=bool(sliding_window),
-            num_warps=4 if split_block * head_dim <= 4096 else 8,
-        )
+    if split.num_splits > 1:
+        _merge_decode_partitions(partials, seq_lens, out, sliding_window, split, config.block_n)
     return out
 
 
-def _decode_partition_size(max_context: int, base_programs: int, device: torch.device) -> int:
-    wanted_splits = cdiv(DECODE_PROGRAMS_PER_SM * sm_count(device), base_programs)
-    splits = max(1, min(wanted_splits, cdiv(max_context, DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
-    return cdiv(max_context, splits)
+def _merge_decode_partitions(
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    sliding_window: int | None,
+    split: DecodeSplit,
+    block_n: int,
+) -> None:
+    num_seqs, num_heads, head_dim = out.shape
+    split_block = next_power_of_2(split.num_splits)
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        *partials,
+        seq_lens,
+        out,
+        sliding_window or 0,
+        split.min_partition,
+        num_heads,
+        split.num_splits,
+        out.stride(0),
+        out.stride(1),
+        head_dim=head_dim,
+        split_block=split_block,
+        block_n=block_n,
+        has_window=bool(sliding_window),
+        num_warps=4 if split_block * head_dim <= 4096 else 8,
+    )
+
+
+def plan_decode_split(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context: int,
+    device: torch.device,
+    block_n: int,
+    partition_size: int | None = None,
+) -> DecodeSplit:
+    """The split-K plan of a decode launch, from launch-time constants only: the batch size, the KV
+    heads, a bound on the visible context (``max_seq_len``, or the window when smaller) and the SM count.
+
+    As many splits as keep ``num_seqs * num_kv_heads * num_splits`` programs within
+    ``DECODE_PROGRAMS_PER_SM`` per SM, with partitions of the bound of at least ``DECODE_MIN_PARTITION``
+    keys and at most ``DECODE_MAX_SPLITS``: one split (a single pass, no merge) once the batch fills
+    the GPU alone. Each sequence then cuts its own context into that many partitions of at least one
+    key tile. A fixed ``partition_size`` instead splits the bound into partitions of that many keys.
+    """
+    if partition_size is not None:
+        partition = cdiv(partition_size, block_n) * block_n
+        return DecodeSplit(max(1, cdiv(max_context, partition)), partition)
+    fitting = DECODE_PROGRAMS_PER_SM * sm_count(device) // max(1, num_seqs * num_kv_heads)
+    splits = max(1, min(fitting, cdiv(max_context, DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
+    return DecodeSplit(splits, block_n)
 
 
 def _decode_partials(
@@ -598,9 +668,11 @@ def varlen_attention(
     derived: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Packed whole sequences with no cache: sequence ``b``'s queries attend causally to its own keys,
-    ``key``/``value`` ``[T, Hkv, D]`` (same strides for both)."""
-    if key.shape != value.shape or key.stride() != value.stride() or key.shape[0] != query.shape[0]:
+    ``key``/``value`` ``[T, Hkv, D]`` (copied to one layout when their strides differ)."""
+    if key.shape != value.shape or key.shape[0] != query.shape[0]:
         raise ValueError(f"key {list(key.shape)} / value {list(value.shape)} do not match the queries")
+    if key.stride() != value.stride():  # e.g. a rotated key beside a value viewed from the fused QKV
+        key, value = key.contiguous(), value.contiguous()
     for name, tensor in (("query", query), ("key", key)):
         require_unit_last_stride(name, tensor)
     if key.dtype != query.dtype:

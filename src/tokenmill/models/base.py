@@ -8,8 +8,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tokenmill.kernels.options import KernelOptions
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.models.layers.linear import ShardId, weight_loader_of
+from tokenmill.models.layers.norm import RMSNorm
+from tokenmill.models.layers.rotary import RotaryEmbedding
 
 
 class WeightLoadingError(ValueError):
@@ -33,6 +37,22 @@ class CausalLM(nn.Module, ABC):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.kernel_options = KernelOptions()
+
+    def use_kernels(self, options: KernelOptions) -> None:
+        """Switch each fusable layer to its Triton kernel or back to PyTorch, as ``options`` says.
+
+        Model code stays the same either way: each layer picks its path in ``forward``. The engine
+        calls this once, from its ``EngineConfig`` toggles; a freshly loaded model runs plain PyTorch.
+        """
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.use_triton = options.rms_norm
+            elif isinstance(module, RotaryEmbedding):
+                module.use_triton = options.rotary
+            elif isinstance(module, SiluAndMul | GeluTanhAndMul):
+                module.use_triton = options.activation
+        self.kernel_options = options
 
     @classmethod
     @abstractmethod

@@ -139,7 +139,9 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # The scale is rounded to the model dtype first, as in the reference implementation.
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype, device=hidden.device)
+        # Rounded to the activations' dtype first, as the reference does; computed on the host so no tensor
+        # is copied to the device per call (which a CUDA graph could not capture).
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
         for layer in self.layers:
             hidden = layer(positions, hidden)
         out: torch.Tensor = self.norm(hidden)

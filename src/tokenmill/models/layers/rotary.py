@@ -1,4 +1,8 @@
-"""Rotary position embeddings (rotate-half layout), with Llama 3 and linear frequency scaling."""
+"""Rotary position embeddings (rotate-half layout), with Llama 3 and linear frequency scaling.
+
+With ``use_triton`` set (``CausalLM.use_kernels``), ``tokenmill.kernels.rotary`` rotates q and k in place
+in one launch, rounding where the PyTorch code below does.
+"""
 
 import math
 
@@ -42,10 +46,17 @@ class RotaryEmbedding(nn.Module):
         # float32 whatever the model dtype; cast at use, as the reference implementation does.
         self.cos_sin_cache: torch.Tensor
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.use_triton = False
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated ``query`` and ``key``; the fused path rotates them in place and returns them."""
+        if self.use_triton and self.rotary_dim == query.shape[-1]:
+            from tokenmill.kernels.rotary import apply_rotary_
+
+            apply_rotary_(positions, query, key, self.cos_sin_cache)
+            return query, key
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 

@@ -1,0 +1,57 @@
+"""Which fused Triton kernels run in place of their PyTorch code. Importing this module imports no triton.
+
+Each option is resolved from a request: ``None`` (auto) turns the kernel on where it compiles (a CUDA
+device with Triton installed) and off elsewhere; ``False`` forces the PyTorch code; ``True`` forces the
+kernel and is refused where it cannot run (on CPU it needs ``TRITON_INTERPRET=1``, for tests).
+"""
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from tokenmill.kernels import triton_available
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """The model layers' fused paths; all off is plain PyTorch. Install with ``CausalLM.use_kernels``."""
+
+    rms_norm: bool = False  # RMSNorm, and the residual add fused into it (tokenmill.kernels.rmsnorm)
+    rotary: bool = False  # rotary embedding of q and k in place, one launch (tokenmill.kernels.rotary)
+    activation: bool = False  # SwiGLU / GeGLU activation-and-multiply (tokenmill.kernels.activation)
+
+    @classmethod
+    def resolve(
+        cls,
+        device: torch.device | str,
+        rms_norm: bool | None = None,
+        rotary: bool | None = None,
+        activation: bool | None = None,
+    ) -> "KernelOptions":
+        """Options for a model on ``device``; see the module docstring for None / True / False."""
+        return cls(
+            rms_norm=resolve_kernel_toggle("rms_norm", rms_norm, device),
+            rotary=resolve_kernel_toggle("rotary", rotary, device),
+            activation=resolve_kernel_toggle("activation", activation, device),
+        )
+
+    @property
+    def enabled(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self) if getattr(self, f.name))
+
+
+def kernels_auto_on(device: torch.device | str) -> bool:
+    """The auto setting: on for CUDA devices where Triton compiles kernels, off on CPU (even where the
+    interpreter could run them: it is orders of magnitude slower than PyTorch)."""
+    return torch.device(device).type == "cuda" and triton_available(device)
+
+
+def resolve_kernel_toggle(name: str, requested: bool | None, device: torch.device | str) -> bool:
+    if requested is None:
+        return kernels_auto_on(device)
+    if requested and not triton_available(device):
+        raise ValueError(
+            f"the fused {name} kernel needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); "
+            f"it cannot run on {torch.device(device)} here"
+        )
+    return requested
