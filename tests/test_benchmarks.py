@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from tiny_models import save_tiny_model
+from tokenmill.attention.triton_backend import TritonAttentionBackend
 from tokenmill.benchmarks import hf_peer, ladder, latency, throughput
+from tokenmill.benchmarks.correctness import LOGPROB_TOLERANCE, check_fast_path
 from tokenmill.benchmarks.measure import RunResult, compare_outputs, percentile, run_engine
 from tokenmill.benchmarks.workload import WorkloadSpec, build_workload, corpus_slice, parse_length_range
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import FUSED_KERNEL_TOGGLES, EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
 
@@ -115,14 +117,27 @@ def test_ladder_reports_every_rung(tiny_llama_folder: Path, tmp_path: Path, caps
     assert ladder.main(_ladder_args(tiny_llama_folder, tmp_path)) == 0
     assert {p.name for p in tmp_path.iterdir()} >= {"ladder.md", "ladder.json", "ladder.png"}
     markdown = (tmp_path / "ladder.md").read_text()
-    for rung in ladder.RUNGS:
-        assert f"| {ladder.RUNGS.index(rung) + 1}. {rung.name} " in markdown
+    cpu_rungs = [rung for rung in ladder.RUNGS if not rung.cuda_only]  # Triton / CUDA graph rungs skipped
+    for index, rung in enumerate(cpu_rungs):
+        assert f"| {index + 1}. {rung.name} " in markdown
     assert "HF generate (batch 2)" in markdown and "hardware:" in markdown and "workload:" in markdown
     report = json.loads((tmp_path / "ladder.json").read_text())
-    assert [r["name"] for r in report["rungs"]] == [rung.name for rung in ladder.RUNGS]
+    assert [r["name"] for r in report["rungs"]] == [rung.name for rung in cpu_rungs]
     assert report["hf_matching_requests"] == 4
     assert report["rungs"][0]["peak_kv_reserved_bytes"] == 0 and report["rungs"][1]["kv_pool_bytes"] > 0
     assert "every rung's greedy tokens equal those of 'recompute'" in capsys.readouterr().out
+
+
+def test_gpu_rungs_each_add_one_fast_path_toggle_to_the_paged_rung() -> None:
+    setup = ladder.LadderSetup(batch_size=8, num_requests=32, max_model_len=192, block_size=16)
+    base = EngineConfig(**dict.fromkeys(FUSED_KERNEL_TOGGLES, False))
+    configs = {rung.name: config for rung, config in ladder.rung_configs(base, setup, ladder.RUNGS)}
+    paged, triton = configs["paged KV"], configs["Triton attention"]
+    assert (paged.attention_backend, triton.attention_backend) == ("torch", "triton")
+    assert not any(getattr(triton, name) for name in FUSED_KERNEL_TOGGLES)
+    assert all(getattr(configs["fused kernels"], name) for name in FUSED_KERNEL_TOGGLES)
+    assert not configs["fused kernels"].cuda_graphs and configs["CUDA graphs"].cuda_graphs
+    assert configs["overlapped decode"].overlap_decode and not configs["CUDA graphs"].overlap_decode
 
 
 def test_paged_rung_keeps_the_contiguous_kv_budget() -> None:
@@ -215,3 +230,29 @@ def test_throughput_refuses_when_batched_tokens_differ(
     ]
     assert throughput.main(argv) != 0
     assert "CORRECTNESS CHECK FAILED" in capsys.readouterr().err
+
+
+# -- the correctness check every benchmark runs first ----------------------------------------------------
+
+
+def test_fast_path_check_passes_for_triton_attention(tiny_llama_folder: Path) -> None:
+    loaded = load_model(tiny_llama_folder, dtype="float32")
+    config = EngineConfig(device="cpu", attention_backend="triton", num_kv_blocks=64, block_size=4)
+    check = check_fast_path(config, loaded, [[5, 6, 7, 8, 9], [10, 11, 12], [13] * 9], max_tokens=6)
+    assert check.passed, check.describe()
+    assert check.toggles["attention_backend"] == "triton" and check.num_tokens == 18
+    assert "passed" in check.describe()
+
+
+def test_fast_path_check_catches_a_wrong_kernel(tiny_llama_folder: Path, monkeypatch: Any) -> None:
+    loaded = load_model(tiny_llama_folder, dtype="float32")
+    real_forward = TritonAttentionBackend.forward
+
+    def off_by_a_little(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return real_forward(self, *args, **kwargs) * 1.01
+
+    monkeypatch.setattr(TritonAttentionBackend, "forward", off_by_a_little)
+    config = EngineConfig(device="cpu", attention_backend="triton", num_kv_blocks=64, block_size=4)
+    check = check_fast_path(config, loaded, [[5, 6, 7, 8, 9], [10, 11, 12]], max_tokens=6)
+    assert not check.passed and "FAILED" in check.describe()
+    assert check.max_logprob_diff > LOGPROB_TOLERANCE

@@ -11,11 +11,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from tokenmill.engine.config import BATCHING_MODES, KV_CACHE_MODES, EngineConfig
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config_flags import add_engine_config_arguments, engine_options_from
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import TokenmillError
-from tokenmill.loading import DTYPES
 
 EXIT_BAD_INPUT = 2
 BENCHMARKS = {
@@ -25,6 +25,7 @@ BENCHMARKS = {
     "load-memory": "tokenmill.benchmarks.load_memory",
     "serve": "tokenmill.benchmarks.serve",
     "kernels": "tokenmill.benchmarks.kernels",
+    "scenarios": "tokenmill.benchmarks.scenarios",
 }
 
 
@@ -34,18 +35,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
 
+# --seed is the sampling seed here (the engine's own only seeds dummy weights); --model has its own help.
+_NOT_ENGINE_FLAGS = frozenset({"model", "seed"})
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model and engine")
     group.add_argument(
         "--model", default=None, help="HF folder, .gguf file, hub id or preset (default: SmolLM2)"
     )
-    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
-    group.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    group.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--kv-cache", default="paged", choices=KV_CACHE_MODES)
-    group.add_argument("--batching", default="continuous", choices=BATCHING_MODES)
-    group.add_argument("--max-num-seqs", type=int, default=64)
+    add_engine_config_arguments(group, exclude=_NOT_ENGINE_FLAGS)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -64,16 +63,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int = 25
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        max_model_len=args.max_model_len,
-        kv_cache=args.kv_cache,
-        batching=args.batching,
-        max_num_seqs=args.max_num_seqs,
-    )
+    return EngineConfig(model=args.model).with_options(**engine_options_from(args, exclude=_NOT_ENGINE_FLAGS))
 
 
 def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
@@ -201,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.set_defaults(handler=run_serve)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
     for name, module in BENCHMARKS.items():
-        sub = bench.add_parser(name, help=f"the {name} benchmark")
+        # No -h of its own: --help reaches the benchmark's parser, which knows the options.
+        sub = bench.add_parser(name, help=f"the {name} benchmark", add_help=False)
         sub.set_defaults(handler=_lazy_benchmark(module), bench_parser=sub, bench_module=module)
     return parser
 

@@ -1,13 +1,14 @@
 """Command-line options and setup shared by the benchmarks: the model, the engine, the workload."""
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 
 from tokenmill.benchmarks.workload import Workload, WorkloadSpec, build_workload
-from tokenmill.engine.config import BATCHING_MODES, KV_CACHE_MODES, EngineConfig
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config_flags import add_engine_config_arguments, engine_options_from
 from tokenmill.engine.llm_engine import resolve_device
 from tokenmill.loading import LoadedModel, load_model
 
@@ -29,38 +30,20 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """EngineConfig toggles; options left unset keep EngineConfig's defaults."""
+# Fields every benchmark sets its own way: from --model / --device / ... and the workload's length.
+_SET_BY_BENCHMARK = frozenset({"model", "device", "dtype", "load_format", "seed", "max_model_len"})
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
+    """EngineConfig toggles (every field but the model's and ``exclude``); options left unset keep
+    EngineConfig's defaults."""
     group = parser.add_argument_group("tokenmill engine")
-    group.add_argument("--kv-cache", choices=KV_CACHE_MODES, default=None)
-    group.add_argument("--batching", choices=BATCHING_MODES, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=None)
-    group.add_argument("--max-num-batched-tokens", type=int, default=None)
-    group.add_argument("--block-size", type=int, default=None)
-    group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--max-model-len", type=int, default=None, help="default: fit the workload")
-    group.add_argument("--cpu-kv-cache-gib", type=float, default=None)
-    group.add_argument("--gpu-memory-utilization", type=float, default=None)
-    group.add_argument("--attention-backend", default=None)
-
-
-ENGINE_OPTION_NAMES = (
-    "kv_cache",
-    "batching",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "block_size",
-    "num_kv_blocks",
-    "cpu_kv_cache_gib",
-    "gpu_memory_utilization",
-    "attention_backend",
-)
+    add_engine_config_arguments(group, exclude=_SET_BY_BENCHMARK | set(exclude))
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        name: getattr(args, name) for name in ENGINE_OPTION_NAMES if getattr(args, name, None) is not None
-    }
+    return engine_options_from(args, exclude=_SET_BY_BENCHMARK)
 
 
 def load_for_args(args: argparse.Namespace) -> LoadedModel:
@@ -75,12 +58,17 @@ def load_for_args(args: argparse.Namespace) -> LoadedModel:
 def fit_max_model_len(workload: Workload, loaded: LoadedModel, requested: int | None = None) -> int:
     """The context limit for the run: the longest request rounded up to a multiple of 64, so contiguous
     KV reserves what this workload needs rather than the model's whole context."""
+    return fit_max_model_len_to(workload.max_total_len, loaded, requested)
+
+
+def fit_max_model_len_to(max_total_len: int, loaded: LoadedModel, requested: int | None = None) -> int:
+    """``fit_max_model_len`` for a request of ``max_total_len`` tokens (prompt and output) at most."""
     if requested is not None:
         return requested
-    rounded = -(-workload.max_total_len // MAX_MODEL_LEN_MULTIPLE) * MAX_MODEL_LEN_MULTIPLE
+    rounded = -(-max_total_len // MAX_MODEL_LEN_MULTIPLE) * MAX_MODEL_LEN_MULTIPLE
     limit = loaded.config.max_position_embeddings
-    if workload.max_total_len > limit:
-        raise ValueError(f"the workload needs {workload.max_total_len} positions; the model has {limit}")
+    if max_total_len > limit:
+        raise ValueError(f"the workload needs {max_total_len} positions; the model has {limit}")
     return min(rounded, limit)
 
 

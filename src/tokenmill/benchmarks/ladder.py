@@ -39,7 +39,7 @@ from tokenmill.benchmarks.report import (
     write_json,
 )
 from tokenmill.benchmarks.workload import Workload, WorkloadSpec, parse_length_range
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import FUSED_KERNEL_TOGGLES, EngineConfig
 from tokenmill.loading import LoadedModel
 
 BASELINE_RUNG = "contiguous KV"  # sequential serving with a KV cache: the baseline the targets refer to
@@ -60,6 +60,7 @@ class Rung:
     name: str
     change: str  # the one toggle this rung changes, for the report
     configure: Callable[[EngineConfig, LadderSetup], EngineConfig]  # previous rung's config -> this one's
+    cuda_only: bool = False  # GPU fast-path rungs: Triton kernels and CUDA graphs need a CUDA device
 
 
 def _recompute(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
@@ -85,12 +86,32 @@ def _paged(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
     return config.with_options(kv_cache="paged", num_kv_blocks=blocks, max_num_seqs=setup.num_requests)
 
 
+def _triton_attention(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
+    return config.with_options(attention_backend="triton")
+
+
+def _fused_kernels(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
+    return config.with_options(**dict.fromkeys(FUSED_KERNEL_TOGGLES, True))
+
+
+def _cuda_graphs(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
+    return config.with_options(cuda_graphs=True)
+
+
+def _overlap_decode(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
+    return config.with_options(overlap_decode=True)
+
+
 RUNGS: list[Rung] = [
     Rung("recompute", "kv_cache=none, batching=sequential", _recompute),
     Rung("contiguous KV", "kv_cache=contiguous", _contiguous),
     Rung("static batching", "batching=static, max_num_seqs=batch size", _static),
     Rung("continuous batching", "batching=continuous", _continuous),
     Rung("paged KV", "kv_cache=paged, same KV bytes as contiguous, max_num_seqs=N", _paged),
+    Rung("Triton attention", "attention_backend=triton", _triton_attention, cuda_only=True),
+    Rung("fused kernels", "fused_rms_norm/rotary/activation/sampling=True", _fused_kernels, cuda_only=True),
+    Rung("CUDA graphs", "cuda_graphs=True (decode steps replayed)", _cuda_graphs, cuda_only=True),
+    Rung("overlapped decode", "overlap_decode=True", _overlap_decode, cuda_only=True),
 ]
 
 
@@ -352,8 +373,13 @@ def ladder_configs(
     args: argparse.Namespace, loaded: LoadedModel, workload: Workload, max_model_len: int
 ) -> list[tuple[Rung, EngineConfig]]:
     setup = LadderSetup(args.batch_size, workload.num_requests, max_model_len, args.block_size)
-    base = common.base_engine_config(args, loaded, max_model_len).with_options(block_size=args.block_size)
+    # Every fused kernel off at the start (their default is on with CUDA), so the GPU rungs add them.
+    base = common.base_engine_config(args, loaded, max_model_len).with_options(
+        block_size=args.block_size, **dict.fromkeys(FUSED_KERNEL_TOGGLES, False)
+    )
     wanted = {rung.name for rung in selected_rungs(args.rungs)}
+    if loaded.device.type != "cuda":
+        wanted -= {rung.name for rung in RUNGS if rung.cuda_only}
     return [(rung, config) for rung, config in rung_configs(base, setup, RUNGS) if rung.name in wanted]
 
 

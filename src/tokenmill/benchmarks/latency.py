@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenmill.benchmarks import common
 from tokenmill.benchmarks.common import run_as_script
+from tokenmill.benchmarks.correctness import check_fast_path
 from tokenmill.benchmarks.hf_peer import HFPeer, build_hf_peer
 from tokenmill.benchmarks.measure import median, synchronize
 from tokenmill.benchmarks.report import describe_model, detect_hardware, fmt_bytes, header_lines
@@ -145,6 +146,17 @@ def run(args: argparse.Namespace) -> int:
     config = latency_engine_config(
         args, loaded, common.fit_max_model_len(workload, loaded, args.max_model_len)
     )
+    check_prompts = common.workload_for(
+        WorkloadSpec(4, (args.input_len, args.input_len), (1, 1), args.seed + 1), loaded
+    ).prompts()
+    check = check_fast_path(config, loaded, check_prompts, min(args.output_len, 32))
+    print(check.describe())
+    if not check.passed:
+        print(
+            "tokenmill latency: the fast path disagrees with the plain path; no number reported",
+            file=sys.stderr,
+        )
+        return 1
     ours = tokenmill_latency(config, loaded, prompt, args.output_len, args.iters)
     peer = None if args.skip_hf else build_hf_peer(loaded)
     theirs = None

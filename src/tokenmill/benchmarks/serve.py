@@ -58,6 +58,7 @@ class RequestRecord:
     output_tokens: int = 0
     itls_s: list[float] = field(default_factory=list)
     error: str | None = None
+    text: str = ""  # the streamed completion
 
     @property
     def tpot_s(self) -> float | None:
@@ -153,7 +154,7 @@ class Target:
     ignore_eos: bool
     temperature: float
 
-    def body(self, prompt: str, max_tokens: int | None = None) -> dict[str, Any]:
+    def body(self, prompt: str | list[int], max_tokens: int | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
@@ -168,10 +169,12 @@ class Target:
 
 
 async def send_request(
-    client: httpx.AsyncClient, target: Target, prompt: str, max_tokens: int | None = None
+    client: httpx.AsyncClient, target: Target, prompt: str | list[int], max_tokens: int | None = None
 ) -> RequestRecord:
+    """Stream one completion of ``prompt`` (text, or token ids), timing every chunk that carries text."""
     start = time.perf_counter()
     chunk_times: list[float] = []
+    pieces: list[str] = []
     usage: dict[str, Any] | None = None
     try:
         url = f"{target.base_url}/v1/completions"
@@ -185,12 +188,14 @@ async def send_request(
             async for event in _sse_events(response):
                 if "error" in event:
                     return RequestRecord(False, time.perf_counter() - start, error=str(event["error"]))
-                if any(choice.get("text") for choice in event.get("choices") or []):
+                text = "".join(choice.get("text") or "" for choice in event.get("choices") or [])
+                if text:
                     chunk_times.append(time.perf_counter())
+                    pieces.append(text)
                 usage = event.get("usage") or usage
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         return RequestRecord(False, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
-    return _record(start, chunk_times, usage)
+    return _record(start, chunk_times, usage, "".join(pieces))
 
 
 async def _sse_events(response: httpx.Response) -> Any:
@@ -203,7 +208,7 @@ async def _sse_events(response: httpx.Response) -> Any:
         yield json.loads(payload)
 
 
-def _record(start: float, chunk_times: list[float], usage: dict[str, Any] | None) -> RequestRecord:
+def _record(start: float, chunk_times: list[float], usage: dict[str, Any] | None, text: str) -> RequestRecord:
     end = time.perf_counter()
     if not chunk_times:
         return RequestRecord(False, end - start, error="the stream held no text")
@@ -215,6 +220,7 @@ def _record(start: float, chunk_times: list[float], usage: dict[str, Any] | None
         prompt_tokens=int(usage["prompt_tokens"]) if usage else None,
         output_tokens=output_tokens,
         itls_s=[b - a for a, b in itertools.pairwise(chunk_times)],
+        text=text,
     )
 
 
@@ -488,6 +494,7 @@ def _payload(
 def _record_dict(record: RequestRecord) -> dict[str, Any]:
     data = asdict(record)
     data.pop("itls_s")
+    data.pop("text")
     return data
 
 

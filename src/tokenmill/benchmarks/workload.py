@@ -9,12 +9,18 @@ import argparse
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.tokenizer import Tokenizer
 
 PromptSource = Literal["auto", "text", "random"]
+
+
+class TextEncoder(Protocol):
+    """What prompt building needs of a tokenizer: a local ``Tokenizer``, or a server's ``/tokenize``."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
 
 CORPUS = """\
 The lighthouse keeper climbed the spiral stairs every evening at dusk, counting the one hundred and
@@ -124,6 +130,9 @@ class Workload:
     def num_requests(self) -> int:
         return len(self.requests)
 
+    def prompts(self) -> list[list[int]]:
+        return [request.prompt_token_ids for request in self.requests]
+
     @property
     def total_prompt_tokens(self) -> int:
         return sum(len(r.prompt_token_ids) for r in self.requests)
@@ -160,9 +169,9 @@ def _range_text(bounds: tuple[int, int]) -> str:
     return str(low) if low == high else f"{low}-{high} (uniform)"
 
 
-def build_workload(spec: WorkloadSpec, tokenizer: Tokenizer | None, vocab_size: int) -> Workload:
+def build_workload(spec: WorkloadSpec, tokenizer: TextEncoder | None, vocab_size: int) -> Workload:
     rng = random.Random(spec.seed)
-    source = _resolve_prompt_source(spec.prompt_source, tokenizer)
+    source = resolve_prompt_source(spec.prompt_source, tokenizer)
     corpus_ids = corpus_token_ids(tokenizer) if source == "text" and tokenizer is not None else []
     arrival = 0.0
     requests = []
@@ -179,7 +188,7 @@ def build_workload(spec: WorkloadSpec, tokenizer: Tokenizer | None, vocab_size: 
     return Workload(spec, requests, source, vocab_size)
 
 
-def _resolve_prompt_source(source: PromptSource, tokenizer: Tokenizer | None) -> str:
+def resolve_prompt_source(source: PromptSource, tokenizer: TextEncoder | None) -> str:
     if source == "text" and tokenizer is None:
         raise ValueError("text prompts need a tokenizer; this model has none (use random prompts)")
     if source == "auto":
@@ -187,7 +196,7 @@ def _resolve_prompt_source(source: PromptSource, tokenizer: Tokenizer | None) ->
     return source
 
 
-def corpus_token_ids(tokenizer: Tokenizer) -> list[int]:
+def corpus_token_ids(tokenizer: TextEncoder) -> list[int]:
     # Each paragraph is encoded on its own (no BOS), so a prompt is plain text tokens wherever it starts.
     paragraphs = [p.replace("\n", " ").strip() for p in CORPUS.split("\n\n")]
     ids: list[int] = []
