@@ -337,3 +337,14 @@ def test_llm_generate_takes_one_priority_or_one_per_prompt(tiny) -> None:  # typ
     assert len(llm.generate(prompts, params, priority=2)) == 2
     with pytest.raises(TokenmillError, match="got 3 priorities for 2 prompts"):
         llm.generate(prompts, params, priority=[0, 1, 2])
+
+
+def test_llm_chat_passes_one_priority_per_conversation(smollm2) -> None:  # type: ignore[no-untyped-def]
+    conversations = [[{"role": "user", "content": "Hi!"}], [{"role": "user", "content": "Name a color."}]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = llm_for(smollm2).chat(conversations, params)
+    llm = llm_for(smollm2, scheduling_policy="priority", max_num_seqs=1)
+    ranked = llm.chat(conversations, params, priority=[1, 0])
+    assert [o.outputs[0].token_ids for o in ranked] == [o.outputs[0].token_ids for o in plain]
+    with pytest.raises(TokenmillError, match="got 1 priorities for 2 prompts"):
+        llm.chat(conversations, params, priority=[0])

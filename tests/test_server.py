@@ -322,6 +322,9 @@ def test_models_tokenize_detokenize_generate_health(server: ServerThread, client
     generated = httpx.post(f"{url}/generate", json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
     expected = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
     assert generated.json()["text"] == expected.choices[0].text
+    assert generated.json()["usage"] == expected.usage.model_dump(exclude_none=True) | {
+        "prompt_tokens_details": {"cached_tokens": 0}
+    }
     assert httpx.get(f"{url}/health").status_code == 200
 
 

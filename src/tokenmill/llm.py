@@ -71,8 +71,10 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate
+        (``priority`` as for :meth:`generate`, one per conversation)."""
         is_single = bool(messages) and isinstance(messages[0], Mapping)
         conversations = (
             [cast(Sequence[Message], messages)] if is_single else cast(Sequence[Sequence[Message]], messages)
@@ -82,7 +84,7 @@ class LLM:
             {"prompt_token_ids": tokenizer.apply_chat_template(list(c), add_generation_prompt, tokenize=True)}
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def scheduler_stats(self) -> SchedulerStats:
         """Preemptions and prefix-cache queries / hits (in prompt tokens) since the engine started."""

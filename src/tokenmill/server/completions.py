@@ -191,11 +191,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         return {
             "text": results[0].text,
             "choices": [{"text": r.text, "finish_reason": r.finish_reason} for r in results],
-            "usage": {
-                "prompt_tokens": generation.num_prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": generation.num_prompt_tokens + completion_tokens,
-            },
+            "usage": usage_info(generation, completion_tokens).model_dump(),
         }
 
     return await json_response_when_done(generation, build)
