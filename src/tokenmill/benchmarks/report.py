@@ -84,9 +84,9 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     return "\n".join([line(headers), separator, *(line(row) for row in rows)])
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
+def write_json(path: Path, payload: dict[str, Any], indent: int | None = 2) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    path.write_text(json.dumps(payload, indent=indent, default=str) + "\n")
 
 
 def header_lines(title: str, workload: str, hardware: Hardware, model: str, peer: str) -> list[str]:
