@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenmill.attention import AttentionLayer, AttentionMetadata, KVCacheLayer, TorchAttentionBackend
+from tokenmill.attention.torch_backend import write_kv_cache
 
 
 def naive_attention(q, keys, values, scale, window, context_len):  # type: ignore[no-untyped-def]
@@ -121,3 +122,22 @@ def test_negative_slots_are_not_written() -> None:
     )
     assert cache.key.view(-1, 4)[2].eq(1).all()
     assert cache.key.view(-1, 4)[[0, 1, 3]].eq(0).all()
+
+
+@pytest.mark.parametrize("skip_some", [False, True])
+def test_kv_write_matches_a_row_by_row_store(skip_some: bool) -> None:
+    """Strided K/V rows (views into a fused projection, as models pass them) land in their flat slots."""
+    generator = torch.Generator().manual_seed(1)
+    fused = torch.randn(6, 3 * 8, generator=generator)
+    key, value = fused[:, 8:16].view(6, 2, 4), fused[:, 16:].view(6, 2, 4)
+    slots = torch.randperm(12, generator=generator)[:6].to(torch.int32)
+    if skip_some:
+        slots[[1, 4]] = -1
+    cache = KVCacheLayer(torch.zeros(3, 4, 2, 4), torch.zeros(3, 4, 2, 4))
+    expected = KVCacheLayer(torch.zeros(3, 4, 2, 4), torch.zeros(3, 4, 2, 4))
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected.key.view(-1, 2, 4)[slot] = key[row]
+            expected.value.view(-1, 2, 4)[slot] = value[row]
+    write_kv_cache(cache, key, value, slots)
+    assert torch.equal(cache.key, expected.key) and torch.equal(cache.value, expected.value)

@@ -189,6 +189,8 @@ def test_engine_option_errors_name_the_option(tiny) -> None:  # type: ignore[no-
         engine_for(tiny, kv_cache="fancy")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         engine_for(tiny, max_model_len=128, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="admission_lookahead"):
+        engine_for(tiny, admission_lookahead=True, admission_headroom=0.5)
 
 
 def test_stop_strings_cut_the_text_and_streams_add_up(smollm2) -> None:  # type: ignore[no-untyped-def]

@@ -32,6 +32,7 @@ if not triton_available():
 
 from tokenmill.attention.triton_backend import TritonAttentionBackend
 from tokenmill.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+from tokenmill.kernels.gemv import GemvConfig, gated_gemv, gemv, rms_norm_gemv
 from tokenmill.kernels.kv_write import write_kv
 from tokenmill.kernels.paged_attention import DecodeConfig, PrefillConfig
 from tokenmill.kernels.rmsnorm import add_rms_norm, rms_norm
@@ -167,6 +168,107 @@ def test_write_kv_skips_negative_slots(
     write_kv_cache(expected, key, value, slots)
     assert torch.equal(k_pool, expected.key)
     assert torch.equal(v_pool, expected.value)
+
+
+# -- small-batch projections (EngineConfig.fused_gemv) -------------------------------------------------
+
+# (rows, out features, in features): partial row blocks, in features not a multiple of the K block.
+GEMV_SHAPES = [(1, 40, 96), (1, 33, 200), (1, 8, 64), (1, 130, 1000)]
+SMALL_GEMV = GemvConfig(block_n=8, block_k=32, num_warps=4, num_stages=1)
+
+
+def assert_projection_close(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    exact_x: torch.Tensor | None = None,
+) -> None:
+    """``out`` against ``F.linear`` of the transformed input ``x``, judged like attention: its error
+    against a float64 product (of ``exact_x``, the input before rounding, if given) at most twice
+    PyTorch's own (or the dtype's floor)."""
+    expected = torch.nn.functional.linear(x, weight, bias)
+    exact = torch.nn.functional.linear(
+        (exact_x if exact_x is not None else x).double(),
+        weight.double(),
+        bias.double() if bias is not None else None,
+    )
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    error, reference_error = _relative_error(out, exact), _relative_error(expected, exact)
+    assert error <= max(2 * reference_error, ERROR_FLOOR[x.dtype]), (error, reference_error)
+
+
+def _projection(shape: tuple[int, int, int], dtype: torch.dtype, device: str, bias: bool, in_scale: int = 1):
+    rows, out_features, in_features = shape
+    x = torch.randn(rows, in_scale * in_features, dtype=dtype, device=device)
+    weight = torch.randn(out_features, in_features, dtype=dtype, device=device) / in_features**0.5
+    return x, weight, (torch.randn(out_features, dtype=dtype, device=device) if bias else None)
+
+
+@pytest.mark.parametrize("shape", GEMV_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("config", [None, SMALL_GEMV], ids=["default", "small"])
+def test_gemv(device: str, dtype: torch.dtype, shape: tuple[int, int, int], bias: bool, config) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(5)
+    x, weight, b = _projection(shape, dtype, device, bias)
+    assert_projection_close(gemv(x, weight, b, config), x, weight, b)
+
+
+@pytest.mark.parametrize("shape", GEMV_SHAPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_gemv(
+    device: str, dtype: torch.dtype, shape: tuple[int, int, int], unit_offset: bool, with_residual: bool
+) -> None:
+    """The projection of the RMSNorm layer's output, and the residual stream it would hand on."""
+    torch.manual_seed(6)
+    x, weight, bias = _projection(shape, dtype, device, bias=shape[1] == 33)
+    norm = _rms_norm_layer(x.shape[-1], unit_offset, dtype, device)
+    residual = torch.randn_like(x) if with_residual else None
+    residual_before = residual.clone() if residual is not None else None
+    if residual is None:
+        normed, expected_residual = norm(x), x
+    else:
+        normed, expected_residual = norm(x, residual)
+    out, new_residual = rms_norm_gemv(
+        x,
+        weight,
+        norm.weight,
+        norm.eps,
+        residual,
+        unit_offset,
+        bias,
+        SMALL_GEMV if shape[2] == 1000 else None,
+    )
+    assert torch.equal(new_residual, expected_residual)
+    if residual is not None:
+        assert torch.equal(residual, residual_before)  # out of place: other programs still read it
+    # The kernel applies 1/rms after the product, so its input is the unrounded normalized row.
+    stream = expected_residual.double()
+    scale = norm.weight.double() + (1.0 if unit_offset else 0.0)
+    exact = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + norm.eps) * scale
+    assert_projection_close(out, normed, weight, bias, exact)
+
+
+@pytest.mark.parametrize("shape", GEMV_SHAPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # interpreter's sigmoid
+def test_gated_gemv(device: str, dtype: torch.dtype, shape: tuple[int, int, int], activation: str) -> None:
+    torch.manual_seed(7)
+    gate_up, weight, bias = _projection(shape, dtype, device, bias=shape[1] == 8, in_scale=2)
+    layer = SiluAndMul() if activation == "silu" else GeluTanhAndMul()
+    out = gated_gemv(gate_up, weight, activation, bias, SMALL_GEMV if shape[2] == 200 else None)
+    assert_projection_close(out, layer(gate_up), weight, bias)
+
+
+def test_gemv_refuses_what_it_cannot_take(device: str) -> None:
+    x = torch.randn(2, 16, device=device)
+    with pytest.raises(ValueError, match="at most 1 row"):
+        gemv(x, torch.randn(8, 16, device=device))
+    with pytest.raises(ValueError, match="does not fit"):
+        gemv(x[:1], torch.randn(8, 15, device=device))
+    with pytest.raises(ValueError, match="unknown gated activation"):
+        gated_gemv(x[:1], torch.randn(8, 8, device=device), "relu")
 
 
 # -- attention -----------------------------------------------------------------------------------------
@@ -354,6 +456,22 @@ def test_decode_default_split_on_a_long_context(device: str, dtype: torch.dtype,
     check_against_reference(batch, _layer(4, 1, 64, window), [TritonAttentionBackend()], dtype)
 
 
+def test_decode_merges_leave_their_counters_at_zero(device: str) -> None:
+    """The last partition to arrive merges and resets its counter: launch after launch (layers, graph
+    replays) the same inputs give the same output."""
+    from tokenmill.kernels import paged_attention
+
+    batch = random_batch(13, 8, 2, 64, mode="decode", dtype=torch.float32, device=device, max_len=90)
+    backend = TritonAttentionBackend(decode_partition_size=16, decode_config=SMALL_DECODE)
+    layer = _layer(8, 2, 64, None)
+    outputs = [
+        backend.forward(layer, batch.query, batch.key, batch.value, batch.metadata(), batch.cache_copy())
+        for _ in range(3)
+    ]
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[1], outputs[2])
+    assert not paged_attention._ARRIVALS[torch.device(outputs[0].device)].any()
+
+
 @pytest.mark.parametrize("window", [None, 3, 24])
 def test_chunked_prefill_over_a_long_context(device: str, dtype: torch.dtype, window: int | None) -> None:
     """Long chunks after long contexts, so query tiles meet unmasked key tiles, diagonals and windows."""
@@ -427,13 +545,16 @@ def test_engine_with_triton_attention_matches_the_reference_loop(tiny_llama_fold
 
 # -- the model layers on the kernels (EngineConfig.fused_*) --------------------------------------------
 
-KERNEL_TOGGLES = ("rms_norm", "rotary", "activation")
+KERNEL_TOGGLES = ("rms_norm", "rotary", "activation", "gemv")
 # The kernels each toggle switches on, by the functions the layers call.
 KERNELS_OF_TOGGLE = {
     "rms_norm": ("tokenmill.kernels.rmsnorm", ("rms_norm", "add_rms_norm")),
     "rotary": ("tokenmill.kernels.rotary", ("apply_rotary_",)),
     "activation": ("tokenmill.kernels.activation", ("silu_and_mul", "gelu_tanh_and_mul")),
+    "gemv": ("tokenmill.kernels.gemv", ("gemv", "rms_norm_gemv", "gated_gemv")),
 }
+# A prefill-sized packing, and a single token (what the GEMV path takes).
+PACKINGS = ([5, 1, 9], [1])
 # Relative (Frobenius) logit difference between the fused and the PyTorch model: the kernels round where
 # the layers do, so only float32 sums in another order differ (and then rounding, at half precision).
 MODEL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -494,18 +615,19 @@ def test_fused_model_matches_pytorch_and_toggles_are_independent(  # type: ignor
     from tokenmill.loading import load_model
 
     model = load_model(tiny_model_folder, device=device, dtype=dtype).model
-    lens = [5, 1, 9]
-    reference = packed_logits(model, lens, device)
+    references = [packed_logits(model, lens, device) for lens in PACKINGS]
     calls = KernelCalls(monkeypatch)
     settings = [dict.fromkeys(KERNEL_TOGGLES, True)] + [{name: True} for name in KERNEL_TOGGLES]
     for setting in settings:
         model.use_kernels(KernelOptions(**setting))
-        logits = packed_logits(model, lens, device)
+        for lens, reference in zip(PACKINGS, references, strict=True):
+            logits = packed_logits(model, lens, device)
+            difference = float((logits - reference).norm() / reference.norm())
+            assert difference <= MODEL_TOLERANCE[dtype], (setting, lens, difference)
         assert calls.used() == set(setting), setting
-        difference = float((logits - reference).norm() / reference.norm())
-        assert difference <= MODEL_TOLERANCE[dtype], (setting, difference)
     model.use_kernels(KernelOptions())
-    assert torch.equal(packed_logits(model, lens, device), reference)
+    for lens, reference in zip(PACKINGS, references, strict=True):
+        assert torch.equal(packed_logits(model, lens, device), reference)
     assert calls.used() == set()
 
 
@@ -519,7 +641,7 @@ def test_kernel_options_auto_is_off_on_cpu_and_explicit_on_needs_triton(
         assert KernelOptions.resolve("cpu", rotary=True).enabled == ("rotary",)
     if ON_CUDA:
         assert KernelOptions.resolve("cuda").enabled == KERNEL_TOGGLES
-        assert KernelOptions.resolve("cuda", activation=False).enabled == ("rms_norm", "rotary")
+        assert KernelOptions.resolve("cuda", activation=False).enabled == ("rms_norm", "rotary", "gemv")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="fused rms_norm kernel needs Triton"):
         KernelOptions.resolve("cpu", rms_norm=True)
@@ -527,8 +649,8 @@ def test_kernel_options_auto_is_off_on_cpu_and_explicit_on_needs_triton(
 
 def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_folder) -> None:  # type: ignore[no-untyped-def]
     """The EngineConfig toggles end to end: fused layers, fused sampling and Triton attention give the
-    greedy tokens of the single-sequence PyTorch loop, and a seeded sampled request runs through the
-    fused draw."""
+    greedy tokens of the single-sequence PyTorch loop, batched and alone (where the GEMVs run), and a
+    seeded sampled request runs through the fused draw."""
     from engine_helpers import engine_for, run_to_completion
     from tokenmill import SamplingParams
     from tokenmill.engine.greedy import greedy_generate
@@ -539,7 +661,8 @@ def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_fo
     reference = greedy_generate(loaded.model, [4, 8, 15, 16], 5).token_ids  # plain PyTorch: no kernels yet
     engine = engine_for(
         loaded, device=device, attention_backend="triton", block_size=4, num_kv_blocks=64, max_model_len=64,
-        fused_rms_norm=True, fused_rotary=True, fused_activation=True, fused_sampling=True,
+        fused_rms_norm=True, fused_rotary=True, fused_activation=True, fused_gemv=True,
+        fused_sampling=True,
     )  # fmt: skip
     assert loaded.model.kernel_options.enabled == KERNEL_TOGGLES
     assert engine.runner.sampler.use_triton
@@ -548,3 +671,5 @@ def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_fo
     outputs = run_to_completion(engine, {"a": ([4, 8, 15, 16], greedy), "b": ([23, 42], seeded)})
     assert outputs["a"].outputs[0].token_ids == reference
     assert len(outputs["b"].outputs[0].token_ids) == 5
+    alone = run_to_completion(engine, {"c": ([4, 8, 15, 16], greedy)})  # one-row decode steps: the GEMVs
+    assert alone["c"].outputs[0].token_ids == reference

@@ -9,6 +9,7 @@ import pytest
 from engine_helpers import engine_for
 from tokenmill import SamplingParams
 from tokenmill.engine.greedy import greedy_generate
+from tokenmill.engine.scheduler import peak_blocks
 from tokenmill.loading import load_model
 
 COMBINATIONS = list(itertools.product([False, True], repeat=3))  # chunked, prefix caching, tight pool
@@ -149,3 +150,48 @@ def test_admission_headroom_trades_concurrency_for_preemptions(tiny, headroom) -
         assert peak_running <= 24 * 4 // (4 + 16)  # whole requests (prompt 4+ and 16 outputs) that fit
     if headroom == 0.0:
         assert preemptions > 0 and peak_running > 24 * 4 // (12 + 16)
+
+
+def test_peak_blocks_matches_a_step_by_step_simulation() -> None:
+    rng = random.Random(5)
+    for _ in range(200):
+        block_size = rng.choice([1, 4, 16])
+        growth = [(rng.randint(1, 60), rng.randint(1, 40)) for _ in range(rng.randint(1, 8))]
+        simulated = max(
+            sum(-(-(tokens + step) // block_size) for tokens, steps in growth if step < steps)
+            for step in range(max(steps for _, steps in growth))
+        )
+        assert peak_blocks(growth, block_size) == simulated, (growth, block_size)
+
+
+def test_admission_lookahead_never_preempts_and_admits_at_least_as_many_as_full_headroom(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Staggered max_tokens: requests finishing early free blocks that lookahead admission counts on, so it
+    runs more at once than reserving every request's whole output, and still preempts nothing."""
+    rng = random.Random(3)
+    workload = {
+        f"r{i}": ([rng.randrange(3, 384) for _ in range(rng.randint(4, 12))], rng.randint(2, 20))
+        for i in range(12)
+    }
+
+    def serve(**options: object) -> tuple[dict[str, list[int]], int, int]:
+        engine = engine_for(
+            tiny, kv_cache="paged", block_size=4, num_kv_blocks=24, max_num_seqs=12, **options
+        )
+        for rid, (prompt, max_tokens) in workload.items():
+            engine.add_request(
+                rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            )
+        outputs: dict[str, list[int]] = {rid: [] for rid in workload}
+        peak_running = 0
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                outputs[delta.request_id] += delta.new_token_ids
+            peak_running = max(peak_running, len(engine.scheduler.running))
+        return outputs, engine.scheduler.num_preemptions, peak_running
+
+    outputs, preemptions, peak_running = serve(admission_lookahead=True)
+    _, full_preemptions, full_peak_running = serve(admission_headroom=1.0)
+    for rid, (prompt, max_tokens) in workload.items():
+        assert outputs[rid] == greedy_generate(tiny.model, prompt, max_tokens).token_ids, rid
+    assert preemptions == full_preemptions == 0
+    assert peak_running > full_peak_running

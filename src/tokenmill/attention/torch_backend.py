@@ -32,7 +32,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         plan = _plan(metadata, kv_cache)
         if kv_cache is not None:
-            write_kv_cache(kv_cache, key, value, _require(metadata.slot_mapping, "slot_mapping"))
+            assert plan.write is not None
+            plan.write.store(kv_cache, key, value)
             keys = kv_cache.key.flatten(0, 1)  # [slots, H_kv, D]: contexts are read by flat slot
             values = kv_cache.value.flatten(0, 1)
         else:
@@ -92,9 +93,33 @@ class _PrefillChunk:
 
 
 @dataclass
+class _KVWrite:
+    """Where the step's new K/V go: row ``rows[i]`` (every row when None) to flat slot ``slots[i]``."""
+
+    slots: torch.Tensor
+    rows: torch.Tensor | None
+
+    @classmethod
+    def from_slot_mapping(cls, slot_mapping: torch.Tensor) -> "_KVWrite":
+        """Rows with slot -1 are skipped; checked once here, so each layer writes with one ``index_copy_``."""
+        keep = slot_mapping >= 0
+        if bool(keep.all()):
+            return cls(slot_mapping, None)
+        rows = keep.nonzero().flatten()
+        return cls(slot_mapping[rows], rows)
+
+    def store(self, cache: KVCacheLayer, key: torch.Tensor, value: torch.Tensor) -> None:
+        for pool, new in ((cache.key, key), (cache.value, value)):
+            if self.rows is not None:
+                new = new.index_select(0, self.rows)
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, self.slots, new.to(pool.dtype))
+
+
+@dataclass
 class _StepPlan:
     decode: _DecodeGroup | None
     prefills: list[_PrefillChunk]
+    write: _KVWrite | None  # None without a KV cache
 
 
 def _plan(metadata: AttentionMetadata, kv_cache: KVCacheLayer | None) -> _StepPlan:
@@ -108,9 +133,10 @@ def _build_plan(metadata: AttentionMetadata, kv_cache: KVCacheLayer | None) -> _
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
     device = metadata.seq_lens.device
-    locate = None
+    locate, write = None, None
     if kv_cache is not None:
         locate = _SlotLocator(_require(metadata.block_tables, "block_tables").long(), kv_cache.block_size)
+        write = _KVWrite.from_slot_mapping(_require(metadata.slot_mapping, "slot_mapping").long())
     query_lens = [end - start for start, end in pairwise(starts)]
     decode_seqs = [b for b, query_len in enumerate(query_lens) if query_len == 1]
     prefills = []
@@ -131,7 +157,7 @@ def _build_plan(metadata: AttentionMetadata, kv_cache: KVCacheLayer | None) -> _
         # Without a cache a decode query is a whole one-token sequence: its only key is itself.
         context = locate(seqs, positions) if locate is not None else rows[:, None]
         decode = _DecodeGroup(rows, context, metadata.seq_lens[seqs].long(), {})
-    return _StepPlan(decode, prefills)
+    return _StepPlan(decode, prefills, write)
 
 
 class _SlotLocator:
@@ -203,10 +229,7 @@ def _require(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
 
 def write_kv_cache(cache: KVCacheLayer, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
     """Store each new token's K/V at its flat slot (block * block_size + offset); slot -1 is skipped."""
-    keep = slots >= 0
-    slots = slots[keep]
-    cache.key.view(-1, *cache.key.shape[2:])[slots] = key[keep].to(cache.key.dtype)
-    cache.value.view(-1, *cache.value.shape[2:])[slots] = value[keep].to(cache.value.dtype)
+    _KVWrite.from_slot_mapping(slots.long()).store(cache, key, value)
 
 
 def gather_kv_cache(pool: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:

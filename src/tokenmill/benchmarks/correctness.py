@@ -25,6 +25,7 @@ PLAIN_PATH = {
     "fused_rms_norm": False,
     "fused_rotary": False,
     "fused_activation": False,
+    "fused_gemv": False,
     "fused_sampling": False,
     "cuda_graphs": False,
     "overlap_decode": False,

@@ -728,6 +728,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel-by-kernel table")
     parser.add_argument("--no-sampler", action="store_true", help="skip the sampler step")
     parser.add_argument("--no-model", action="store_true", help="skip the fused-model check")
+    parser.add_argument("--no-gemv", action="store_true", help="skip the small-batch projections")
+    parser.add_argument(
+        "--gemv-sweep", action="store_true", help="the GEMV over tile configurations (llama-3.2-1b, M=1)"
+    )
     parser.add_argument(
         "--decode-sweep", action="store_true", help="decode attention under CUDA graphs over split counts"
     )
@@ -790,6 +794,7 @@ def _extra_sections(
             args.decode_sweep and device.type == "cuda",
             lambda: _decode_sweep(timer, device, dtype),
         ),
+        ("gemv", not args.no_gemv, lambda: _gemv_section(timer, device, dtype, sizes, args.gemv_sweep)),
         ("sampler", not args.no_sampler, lambda: _sampler_section(timer, device, sizes)),
         ("fused model", not args.no_model and device.type == "cuda", lambda: _model_section(timer, device)),
     ]
@@ -824,6 +829,29 @@ def _decode_sweep(timer: Timer, device: torch.device, dtype: torch.dtype) -> lis
         flush=True,
     )
     return []
+
+
+def _gemv_section(
+    timer: Timer, device: torch.device, dtype: torch.dtype, sizes: Sizes, sweep: bool
+) -> list[str]:
+    from tokenmill.benchmarks import gemv_bench
+
+    copy_bytes_per_s = copy_bandwidth(timer, device, COPY_BYTES if sizes is not SMOKE else 1 << 20)
+    if sizes is SMOKE:
+        models = [gemv_bench.Projection("tiny", name, 40, 96, prologue) for name, prologue in SMOKE_GEMV]
+        rows = gemv_bench.gemv_rows(timer, device, dtype, (1,), models)
+    else:
+        rows = gemv_bench.gemv_rows(timer, device, dtype)
+    table = gemv_bench.format_gemv_rows(rows, copy_bytes_per_s, dtype)
+    print("\nSmall-batch projections (fused_gemv), per layer in CUDA graphs\n\n" + table, flush=True)
+    if sweep:
+        sweep_rows = gemv_bench.sweep_rows(timer, device, dtype)
+        table = gemv_bench.format_gemv_rows(sweep_rows, copy_bytes_per_s, dtype)
+        print("\nGEMV tile sweep (llama-3.2-1b, M=1)\n\n" + table, flush=True)
+    return [f"gemv {r.projection.name} M={r.rows} {r.status}" for r in rows if r.status != "ok"]
+
+
+SMOKE_GEMV = (("qkv_proj", "add_rms_norm"), ("o_proj", "none"), ("down_proj", "silu"))
 
 
 def _sampler_section(timer: Timer, device: torch.device, sizes: Sizes) -> list[str]:

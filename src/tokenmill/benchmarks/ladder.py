@@ -109,7 +109,9 @@ RUNGS: list[Rung] = [
     Rung("continuous batching", "batching=continuous", _continuous),
     Rung("paged KV", "kv_cache=paged, same KV bytes as contiguous, max_num_seqs=N", _paged),
     Rung("Triton attention", "attention_backend=triton", _triton_attention, cuda_only=True),
-    Rung("fused kernels", "fused_rms_norm/rotary/activation/sampling=True", _fused_kernels, cuda_only=True),
+    Rung(
+        "fused kernels", "fused_rms_norm/rotary/activation/gemv/sampling=True", _fused_kernels, cuda_only=True
+    ),
     Rung("CUDA graphs", "cuda_graphs=True (decode steps replayed)", _cuda_graphs, cuda_only=True),
     Rung("overlapped decode", "overlap_decode=True", _overlap_decode, cuda_only=True),
 ]

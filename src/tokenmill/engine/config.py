@@ -13,6 +13,7 @@ FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_rms_norm",
     "fused_rotary",
     "fused_activation",
+    "fused_gemv",
     "fused_sampling",
 )
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
@@ -56,10 +57,20 @@ class EngineConfig:
     # new tokens fit (most concurrency; growth may preempt); 1 never preempts a request that has a known
     # max_tokens, but admits fewer when outputs end early.
     admission_headroom: float = 0.0
+    # Paged KV: admit only if the pool holds every running request growing to its max_tokens at the busiest
+    # future step, counting the blocks that requests finishing before it free. Like admission_headroom=1 it
+    # never preempts a request with a known max_tokens, but it admits as many as the pool then allows.
+    admission_lookahead: bool = False
+    # float32 projections on CPU through oneDNN with each weight reordered once at start (another copy of
+    # the weights in memory); other devices and dtypes keep F.linear. See models/layers/cpu_linear.py.
+    prepacked_cpu_linear: bool = True
     # Fused Triton kernels, each alone: None (auto) = on with CUDA + Triton, off on CPU; False = PyTorch.
     fused_rms_norm: bool | None = None  # RMSNorm with the residual add fused in (one launch)
     fused_rotary: bool | None = None  # rotary embedding of q and k in place (one launch)
     fused_activation: bool | None = None  # SwiGLU / GeGLU activation-and-multiply (one launch)
+    # Projections of up to 4 rows (small-batch decode) as Triton GEMVs, with the RMSNorm (and residual
+    # add) before q/k/v and gate/up, and the gated activation before down_proj, fused into their loads.
+    fused_gemv: bool | None = None
     fused_sampling: bool | None = None  # temperature, top-k/min-p and the draw in one pass (Gumbel-max)
     # Replay pure-decode steps from CUDA graphs (one per padded batch size). CUDA + triton attention only;
     # ignored on CPU. Batches above the largest captured size, and prefill / mixed steps, run eagerly.
@@ -84,6 +95,12 @@ class EngineConfig:
         _require(self.block_size >= 1, "block_size", "at least 1", self.block_size)
         _require(
             0 <= self.admission_headroom <= 1, "admission_headroom", "in [0, 1]", self.admission_headroom
+        )
+        _require(
+            not (self.admission_lookahead and self.admission_headroom),
+            "admission_lookahead",
+            "off when admission_headroom is set (each is a rule for admission)",
+            self.admission_lookahead,
         )
         _require(self.max_num_seqs >= 1, "max_num_seqs", "at least 1", self.max_num_seqs)
         _require(

@@ -25,6 +25,7 @@ from tokenmill.engine.text_output import TextOutput
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels.options import KernelOptions, resolve_kernel_toggle
 from tokenmill.loading import LoadedModel, load_model
+from tokenmill.models.layers.cpu_linear import prepack_linear_weights
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         dtype = next(self.loaded.model.parameters()).dtype
         self.loaded.model.use_kernels(self._kernel_options())  # before the runner (and any graph capture)
+        prepack_linear_weights(self.loaded.model, config.prepacked_cpu_linear)
         self.runner = ModelRunner(self.loaded.model, None, self._attention_backend(), self.device)
         self.runner.sampler.use_triton = resolve_kernel_toggle("sampling", config.fused_sampling, self.device)
         # On CUDA the pool is sized after profiling the largest step through the runner.
@@ -92,7 +94,11 @@ class LLMEngine:
         """The model layers' fused kernels, from the ``fused_*`` toggles (None: on with CUDA + Triton)."""
         config = self.config
         return KernelOptions.resolve(
-            self.device, config.fused_rms_norm, config.fused_rotary, config.fused_activation
+            self.device,
+            config.fused_rms_norm,
+            config.fused_rotary,
+            config.fused_activation,
+            config.fused_gemv,
         )
 
     def _attention_backend(self) -> AttentionBackend:

@@ -19,7 +19,7 @@ requests of a strictly worse priority to take their place.
 import bisect
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.cache.radix_cache import PrefixMatch, RadixCache, RadixNode
@@ -211,9 +211,14 @@ class Scheduler:
     def _headroom_blocks(self, newcomer: Request, newcomer_tokens: int) -> int:
         """Blocks admitting ``newcomer`` must leave free: those the running requests and the newcomer need to
         generate ``admission_headroom`` of their remaining output. None while nothing runs, so the head of
-        the queue is always admitted once its own tokens fit."""
+        the queue is always admitted once its own tokens fit. Under ``admission_lookahead``: the blocks that
+        keep every request's growth to its ``max_tokens`` preemption-free."""
         ratio = self.config.admission_headroom
-        if ratio == 0 or self.kv_cache is None or not self.running:
+        if self.kv_cache is None or not self.running:
+            return 0
+        if self.config.admission_lookahead:
+            return self._lookahead_headroom_blocks(newcomer, newcomer_tokens)
+        if ratio == 0:
             return 0
         manager = self.kv_cache.manager
 
@@ -225,6 +230,17 @@ class Scheduler:
             newcomer_tokens + growth(newcomer)
         ) - manager.blocks_for_tokens(newcomer_tokens)
         return running + newcomer_growth
+
+    def _lookahead_headroom_blocks(self, newcomer: Request, newcomer_tokens: int) -> int:
+        """Under ``admission_lookahead``: how far the busiest future step's blocks exceed today's, with every
+        running request and the newcomer growing one token a step to its ``max_tokens`` and freeing its
+        blocks when done. Keeping that many free means no request ever needs to be preempted."""
+        assert self.kv_cache is not None
+        block_size = self.kv_cache.block_size
+        # (tokens held now, steps until it finishes): t steps from now a request holds tokens + t slots.
+        growth = [(r.num_tokens, r.max_tokens - r.num_output_tokens) for r in self.running]
+        growth.append((newcomer_tokens, newcomer.max_tokens - newcomer.num_output_tokens))
+        return peak_blocks(growth, block_size) - sum(-(-tokens // block_size) for tokens, _ in growth)
 
     def _reserve_new(
         self, request: Request, total_tokens: int, match: PrefixMatch | None, headroom_blocks: int = 0
@@ -308,3 +324,14 @@ class Scheduler:
     def requests(self) -> Iterable[Request]:
         yield from self.running
         yield from self.waiting
+
+
+def peak_blocks(growth: Sequence[tuple[int, int]], block_size: int) -> int:
+    """The most blocks held at any future step by requests that each hold ``tokens + t`` slots ``t`` steps
+    from now and finish after ``steps`` steps, for ``(tokens, steps)`` in ``growth`` (``steps`` >= 1).
+    Between two finishes the total only grows, so the peak is at a step just before some request finishes."""
+
+    def blocks_at(step: int) -> int:
+        return sum(-(-(tokens + step) // block_size) for tokens, steps in growth if step < steps)
+
+    return max((blocks_at(steps - 1) for _, steps in growth), default=0)

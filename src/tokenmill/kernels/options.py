@@ -19,6 +19,7 @@ class KernelOptions:
     rms_norm: bool = False  # RMSNorm, and the residual add fused into it (tokenmill.kernels.rmsnorm)
     rotary: bool = False  # rotary embedding of q and k in place, one launch (tokenmill.kernels.rotary)
     activation: bool = False  # SwiGLU / GeGLU activation-and-multiply (tokenmill.kernels.activation)
+    gemv: bool = False  # projections of a few rows, norm / activation fused in (tokenmill.kernels.gemv)
 
     @classmethod
     def resolve(
@@ -27,12 +28,14 @@ class KernelOptions:
         rms_norm: bool | None = None,
         rotary: bool | None = None,
         activation: bool | None = None,
+        gemv: bool | None = None,
     ) -> "KernelOptions":
         """Options for a model on ``device``; see the module docstring for None / True / False."""
         return cls(
             rms_norm=resolve_kernel_toggle("rms_norm", rms_norm, device),
             rotary=resolve_kernel_toggle("rotary", rotary, device),
             activation=resolve_kernel_toggle("activation", activation, device),
+            gemv=resolve_kernel_toggle("gemv", gemv, device),
         )
 
     @property

@@ -9,8 +9,9 @@ once for the whole group, and keep a running (max, sum) softmax in base 2 (the s
 
 * Decode (one query per sequence): flash-decoding. Each sequence's context is cut into ``num_splits``
   equal partitions, one program per (sequence, KV head, partition), so a single long sequence still
-  fills the GPU; a second kernel merges the partitions' partial outputs by their softmax maxima and
-  sums. With one split the first kernel writes the output itself (no second launch). The number of
+  fills the GPU; the last program of a (sequence, KV head) to finish merges the partitions' partial
+  outputs by their softmax maxima and sums (an arrival counter decides which: no second launch), and a
+  context that fits one partition is written directly. The number of
   splits is fixed on the host from the batch size and a bound on the context (:func:`plan_decode_split`),
   the partition length on the device from each sequence's own length, so the launch is the same for
   every step of a CUDA graph while short contexts still spread over the splits.
@@ -201,6 +202,7 @@ def _decode_kernel(
     part_out_ptr: tl.tensor,
     part_max_ptr: tl.tensor,
     part_sum_ptr: tl.tensor,
+    arrivals_ptr: tl.tensor,
     scale_log2: float,
     window: int,
     min_partition: int,
@@ -269,54 +271,59 @@ def _decode_kernel(
         precision,
     )
     out = acc / row_sum[:, None]  # every partition that gets here holds at least one visible key
-    if split:
-        part = (seq * num_query_heads + heads) * num_splits + partition
-        tl.store(part_out_ptr + part[:, None] * head_dim + dims[None, :], out, mask=row_ok[:, None])
-        tl.store(part_max_ptr + part, row_max, mask=row_ok)
-        tl.store(part_sum_ptr + part, row_sum, mask=row_ok)
-    else:
-        out_ptrs = out_ptr + seq * out_token_stride + heads[:, None] * out_head_stride + dims[None, :]
+    used = tl.cdiv(context_len, partition_len)
+    out_ptrs = out_ptr + seq * out_token_stride + heads[:, None] * out_head_stride + dims[None, :]
+    if split and used > 1:
+        parts = (seq * num_query_heads + heads) * num_splits
+        tl.store(
+            part_out_ptr + (parts + partition)[:, None] * head_dim + dims[None, :], out, mask=row_ok[:, None]
+        )
+        tl.store(part_max_ptr + parts + partition, row_max, mask=row_ok)
+        tl.store(part_sum_ptr + parts + partition, row_sum, mask=row_ok)
+        # The last partition to finish merges all of them: its acq_rel increment comes after every
+        # other partition's release of its stores, so it sees them all. It resets the counter for the
+        # next launch (the next layer, or the next replay of a graph).
+        tl.debug_barrier()
+        counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
+            tl.atomic_xchg(counter, 0)
+            out = _merge_partitions(part_out_ptr, part_max_ptr, part_sum_ptr, parts, row_ok, used, dims)
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:  # one partition holds the whole context
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["window", "min_partition", "num_splits"])
-def _decode_reduce_kernel(
+@triton.jit
+def _merge_partitions(
     part_out_ptr: tl.tensor,
     part_max_ptr: tl.tensor,
     part_sum_ptr: tl.tensor,
-    seq_lens_ptr: tl.tensor,
-    out_ptr: tl.tensor,
-    window: int,
-    min_partition: int,
-    num_query_heads: int,
-    num_splits: int,
-    out_token_stride: int,
-    out_head_stride: int,
-    head_dim: tl.constexpr,
-    split_block: tl.constexpr,
-    block_n: tl.constexpr,
-    has_window: tl.constexpr,
-) -> None:
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    _, context_len = _context_range(seq_len, window, has_window)
-    partition_len = _partition_length(context_len, num_splits, min_partition, block_n)
-    used = tl.cdiv(context_len, partition_len)  # partitions past the context wrote nothing
-    splits = tl.arange(0, split_block)
-    used_mask = splits < used
-    parts = (seq * num_query_heads + head) * num_splits + splits
-    part_max = tl.load(part_max_ptr + parts, mask=used_mask, other=float("-inf"))
-    part_sum = tl.load(part_sum_ptr + parts, mask=used_mask, other=0.0)
-    # Partition j's output was normalized by its own sum: reweight by sum_j * 2^(max_j - max).
-    weights = tl.exp2(part_max - tl.max(part_max, 0)) * part_sum
-    dims = tl.arange(0, head_dim)
-    outs = tl.load(
-        part_out_ptr + parts[:, None] * head_dim + dims[None, :], mask=used_mask[:, None], other=0.0
-    )
-    out = tl.sum(outs * weights[:, None], 0) / tl.sum(weights, 0)
-    out_ptrs = out_ptr + seq * out_token_stride + head * out_head_stride + dims
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+    parts: tl.tensor,
+    row_ok: tl.tensor,
+    used: tl.tensor,
+    dims: tl.tensor,
+) -> tl.tensor:
+    """Partition ``j``'s output was normalized by its own sum: reweight by ``sum_j * 2^(max_j - max)``."""
+    row_max = tl.full(parts.shape, float("-inf"), tl.float32)
+    row_sum = tl.zeros(parts.shape, tl.float32)
+    acc = tl.zeros([parts.shape[0], dims.shape[0]], tl.float32)
+    for partition in range(0, used):
+        # .cg: read from L2, where the other programs' stores are, not a stale L1 line.
+        part_max = tl.load(part_max_ptr + parts + partition, mask=row_ok, other=0.0, cache_modifier=".cg")
+        part_sum = tl.load(part_sum_ptr + parts + partition, mask=row_ok, other=0.0, cache_modifier=".cg")
+        part_out = tl.load(
+            part_out_ptr + (parts + partition)[:, None] * dims.shape[0] + dims[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        new_max = tl.maximum(row_max, part_max)
+        alpha = tl.exp2(row_max - new_max)
+        weight = tl.exp2(part_max - new_max) * part_sum
+        row_sum = row_sum * alpha + weight
+        acc = acc * alpha[:, None] + part_out * weight[:, None]
+        row_max = new_max
+    return acc / row_sum[:, None]
 
 
 def paged_decode_attention(
@@ -350,7 +357,7 @@ def paged_decode_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
-    partials = _decode_partials(num_seqs, num_heads, split.num_splits, head_dim, query.device)
+    partials = _decode_partials(num_seqs, num_kv_heads, num_heads, split.num_splits, head_dim, query.device)
     _decode_kernel[(num_seqs, num_kv_heads, split.num_splits)](
         query,
         key_pool,
@@ -383,37 +390,7 @@ def paged_decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if split.num_splits > 1:
-        _merge_decode_partitions(partials, seq_lens, out, sliding_window, split, config.block_n)
     return out
-
-
-def _merge_decode_partitions(
-    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    seq_lens: torch.Tensor,
-    out: torch.Tensor,
-    sliding_window: int | None,
-    split: DecodeSplit,
-    block_n: int,
-) -> None:
-    num_seqs, num_heads, head_dim = out.shape
-    split_block = next_power_of_2(split.num_splits)
-    _decode_reduce_kernel[(num_seqs, num_heads)](
-        *partials,
-        seq_lens,
-        out,
-        sliding_window or 0,
-        split.min_partition,
-        num_heads,
-        split.num_splits,
-        out.stride(0),
-        out.stride(1),
-        head_dim=head_dim,
-        split_block=split_block,
-        block_n=block_n,
-        has_window=bool(sliding_window),
-        num_warps=4 if split_block * head_dim <= 4096 else 8,
-    )
 
 
 def plan_decode_split(
@@ -430,26 +407,45 @@ def plan_decode_split(
     As many splits as keep ``num_seqs * num_kv_heads * num_splits`` programs within
     ``DECODE_PROGRAMS_PER_SM`` per SM, with partitions of the bound of at least ``DECODE_MIN_PARTITION``
     keys and at most ``DECODE_MAX_SPLITS``: one split (a single pass, no merge) once the batch fills
-    the GPU alone. Each sequence then cuts its own context into that many partitions of at least one
-    key tile. A fixed ``partition_size`` instead splits the bound into partitions of that many keys.
+    the GPU alone. Each sequence then cuts its own context into that many partitions of at least
+    ``DECODE_MIN_PARTITION`` keys (whole key tiles), so a short context is one partition and needs no
+    merge. A fixed ``partition_size`` instead splits the bound into partitions of that many keys.
     """
     if partition_size is not None:
         partition = cdiv(partition_size, block_n) * block_n
         return DecodeSplit(max(1, cdiv(max_context, partition)), partition)
     fitting = DECODE_PROGRAMS_PER_SM * sm_count(device) // max(1, num_seqs * num_kv_heads)
     splits = max(1, min(fitting, cdiv(max_context, DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
-    return DecodeSplit(splits, block_n)
+    return DecodeSplit(splits, cdiv(DECODE_MIN_PARTITION, block_n) * block_n)
 
 
 def _decode_partials(
-    num_seqs: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-partition outputs (normalized), maxima and sums; tiny placeholders when there is one split."""
+    num_seqs: int, num_kv_heads: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-partition outputs (normalized), maxima and sums, and the arrival counters of the partitions
+    of each (sequence, KV head); tiny placeholders when there is one split."""
     shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1,)
     part_out = torch.empty(*shape, head_dim if num_splits > 1 else 1, dtype=torch.float32, device=device)
     part_max = torch.empty(shape, dtype=torch.float32, device=device)
     part_sum = torch.empty(shape, dtype=torch.float32, device=device)
-    return part_out, part_max, part_sum
+    arrivals = _arrival_counters(device, num_seqs * num_kv_heads if num_splits > 1 else 1)
+    return part_out, part_max, part_sum, arrivals
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+MIN_ARRIVAL_COUNTERS = 4096  # more than a split launch needs (see plan_decode_split), so graphs find it
+
+
+def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters, kept from launch to launch: each merge leaves its counter at zero again.
+    One buffer per device, made before any CUDA graph capture (the warm-up runs first)."""
+    counters = _ARRIVALS.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode attention needs more split counters during CUDA graph capture")
+        counters = torch.zeros(max(count, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = counters
+    return counters
 
 
 # -- prefill and mixed batches -------------------------------------------------------------------------

@@ -10,8 +10,8 @@ from torch import nn
 
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.layers.activation import GeluTanhAndMul, SiluAndMul
-from tokenmill.models.layers.linear import ShardId, weight_loader_of
+from tokenmill.models.layers.activation import GatedActivation
+from tokenmill.models.layers.linear import LinearBase, ShardId, weight_loader_of
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding
 
@@ -50,8 +50,10 @@ class CausalLM(nn.Module, ABC):
                 module.use_triton = options.rms_norm
             elif isinstance(module, RotaryEmbedding):
                 module.use_triton = options.rotary
-            elif isinstance(module, SiluAndMul | GeluTanhAndMul):
+            elif isinstance(module, GatedActivation):
                 module.use_triton = options.activation
+            elif isinstance(module, LinearBase):
+                module.use_gemv = options.gemv
         self.kernel_options = options
 
     @classmethod

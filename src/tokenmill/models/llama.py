@@ -24,7 +24,8 @@ from tokenmill.models.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
-from tokenmill.models.layers.linear import ShardId
+from tokenmill.models.layers.activation import GatedActivation
+from tokenmill.models.layers.linear import ShardId, norm_and_project
 
 
 def local_heads(config: ModelConfig) -> tuple[int, int]:
@@ -102,12 +103,16 @@ class LlamaAttention(nn.Module):
         )
         self.attn = Attention(spec)
 
-    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q, k, v
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project_qkv(hidden)
+        return self.attend(positions, self.qkv_proj(hidden))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """The rest of the block once q, k and v are projected (fused ``[T, q | k | v]``)."""
+        q, k, v = self.split_qkv(qkv)
         head_dim = self.attn.spec.head_dim
         q, k = self.rotary_emb(positions, q.view(q.shape[0], -1, head_dim), k.view(k.shape[0], -1, head_dim))
         return self.o_proj(self.attn(q, k, v))
@@ -116,18 +121,22 @@ class LlamaAttention(nn.Module):
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up fused in one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: nn.Module) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: GatedActivation) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
         self.act_fn = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The rest of the MLP once gate and up are projected."""
+        return self.down_proj.forward_gated(gate_up, self.act_fn)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, self_attn: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, self_attn: LlamaAttention) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, SiluAndMul())
@@ -137,13 +146,13 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # Each norm is applied with the projection after it, so the two can run as one kernel.
+        qkv, residual = norm_and_project(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn.attend(positions, qkv)
+        gate_up, residual = norm_and_project(
+            self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual
+        )
+        return self.mlp.down(gate_up), residual
 
 
 class LlamaModel(nn.Module):

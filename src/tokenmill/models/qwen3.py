@@ -15,8 +15,8 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
 
-    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project_qkv(hidden)
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().split_qkv(qkv)
         head_dim = self.attn.spec.head_dim
         q = self.q_norm(q.reshape(-1, head_dim)).view(q.shape)
         k = self.k_norm(k.reshape(-1, head_dim)).view(k.shape)

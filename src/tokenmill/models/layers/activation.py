@@ -4,13 +4,24 @@ With ``use_triton`` set (``CausalLM.use_kernels``), one ``tokenmill.kernels.acti
 projection once and writes the product, rounding ``act(gate)`` to the input dtype as the code below does.
 """
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-class SiluAndMul(nn.Module):
+class GatedActivation(nn.Module):
+    """``act(gate) * up`` over a fused ``[gate | up]`` input; ``kind`` names ``act`` for fused kernels."""
+
+    kind: ClassVar[str]
+    use_triton: bool
+
+
+class SiluAndMul(GatedActivation):
     """SwiGLU (Llama, Qwen, Mistral)."""
+
+    kind = "silu"
 
     def __init__(self) -> None:
         super().__init__()
@@ -25,8 +36,10 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-class GeluTanhAndMul(nn.Module):
+class GeluTanhAndMul(GatedActivation):
     """GeGLU with the tanh approximation of GELU (Gemma)."""
+
+    kind = "gelu_tanh"
 
     def __init__(self) -> None:
         super().__init__()

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import all_gather_last_dim, all_reduce_sum, divide, tp_rank, tp_world_size
+from tokenmill.models.layers.cpu_linear import packed_linear
 from tokenmill.models.layers.linear import ShardId
 
 
@@ -37,5 +38,13 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to float32 logits over the full vocabulary."""
 
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        super().__init__(vocab_size, dim)
+        self.packed_weight: torch.Tensor | None = None  # oneDNN copy of weight (cpu_linear), when prepacked
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(F.linear(hidden, self.weight)).float()
+        if self.packed_weight is not None:
+            logits = packed_linear(hidden, self.packed_weight, None)
+        else:
+            logits = F.linear(hidden, self.weight)
+        return all_gather_last_dim(logits).float()

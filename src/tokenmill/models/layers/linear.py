@@ -3,6 +3,11 @@
 Column-parallel layers split the output features across tensor-parallel ranks, row-parallel layers the
 input features (and sum the partial results). Fused layers (QKV, gate+up) take the separate checkpoint
 tensors one shard at a time. With one rank these are plain linear layers; model code is the same either way.
+
+With ``use_gemv`` set (``CausalLM.use_kernels``), inputs of at most ``tokenmill.kernels.gemv.MAX_ROWS``
+rows (small-batch decode) go through the Triton GEMV, which can also take the step before the projection:
+``forward_gated`` applies a gated activation first, :func:`norm_and_project` an RMSNorm. With a
+``packed_weight`` (float32 on CPU, ``EngineConfig.prepacked_cpu_linear``) they run through oneDNN.
 """
 
 from collections.abc import Sequence
@@ -12,8 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import all_reduce_sum, divide, tp_rank, tp_world_size
+from tokenmill.models.layers.activation import GatedActivation
+from tokenmill.models.layers.cpu_linear import packed_linear
+from tokenmill.models.layers.norm import RMSNorm
 
 ShardId = str | int | None
+GEMV_MAX_ROWS = 1  # tokenmill.kernels.gemv.MAX_ROWS (not imported here: importing it imports triton)
 
 
 def check_shape(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -45,12 +54,43 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = _parameter(out_local)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.use_gemv: bool = False
+        self.packed_weight: torch.Tensor | None = None  # oneDNN copy of weight (cpu_linear), when prepacked
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.reduce(self._project(x))
+
+    def forward_gated(self, x: torch.Tensor, activation: GatedActivation) -> torch.Tensor:
+        """``forward(activation(x))`` for a fused ``[gate | up]`` input."""
+        if self.gemv_fits(x):
+            from tokenmill.kernels.gemv import gated_gemv
+
+            return self.reduce(gated_gemv(x, self.weight, activation.kind, self.local_bias()))
+        return self.forward(activation(x))
+
+    def gemv_fits(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through the Triton GEMV: few rows, and the weight's dtype."""
+        return self.use_gemv and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == self.weight.dtype
+
+    def local_bias(self) -> torch.Tensor | None:
+        """The bias this rank adds (row-parallel layers add it on one rank only)."""
+        return self.bias
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Combine the ranks' outputs (row-parallel layers sum their partial products)."""
+        return partial
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv_fits(x):
+            from tokenmill.kernels.gemv import gemv
+
+            return gemv(x, self.weight, self.local_bias())
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.local_bias())
+        return F.linear(x, self.weight, self.local_bias())
 
 
 class ReplicatedLinear(LinearBase):
@@ -132,6 +172,26 @@ class RowParallelLinear(LinearBase):
             loaded = loaded.narrow(1, self.tp_rank * cols, cols)
         default_weight_loader(param, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce_sum(F.linear(x, self.weight, bias))
+    def local_bias(self) -> torch.Tensor | None:
+        return self.bias if self.tp_rank == 0 else None
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(partial)
+
+
+def norm_and_project(
+    norm: RMSNorm, linear: LinearBase, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear(norm(hidden + residual))`` and the new residual stream ``hidden + residual`` (``hidden``
+    when ``residual`` is None): one GEMV launch when the rows fit it, else the norm then the projection."""
+    if linear.gemv_fits(hidden) and norm.weight.dtype == hidden.dtype:
+        from tokenmill.kernels.gemv import rms_norm_gemv
+
+        out, residual = rms_norm_gemv(
+            hidden, linear.weight, norm.weight, norm.eps, residual, norm.unit_offset, linear.local_bias()
+        )
+        return linear.reduce(out), residual
+    if residual is None:
+        return linear(norm(hidden)), hidden
+    normed, residual = norm(hidden, residual)
+    return linear(normed), residual

@@ -1,0 +1,252 @@
+"""Projections of one row (batch-1 decode): ``y = f(x) W^T (+ b)`` as a Triton GEMV, with the step before
+the projection fused into its input loads.
+
+At one token per step a projection reads the whole weight matrix to do one multiply-add per element, so
+it is bound by memory bandwidth, and at a 1B model's sizes the launches around it cost as much as the
+small norm and activation kernels themselves. Here every program streams ``block_n`` weight rows once,
+accumulating products in a ``[block_n, block_k]`` tile that is summed once at the end (no reduction per
+step), and recomputes the cheap input transform from the (L2-resident) activations as it goes:
+
+* ``gemv``: no transform (o_proj);
+* ``rms_norm_gemv``: RMSNorm, with the residual add, before q/k/v or gate/up. ``1 / rms`` is a factor of
+  every output, so the sum of squares is accumulated in the same pass and applied at the end (no pre-pass
+  that would leave the memory idle at the start); the normalized input is therefore not rounded to the
+  activation dtype before the product, as the PyTorch layers do (a difference below that rounding).
+  Program 0 also writes the new residual stream (out of place: the other programs still read the old one);
+* ``gated_gemv``: SwiGLU / GeGLU of a fused ``[gate | up]`` row before down_proj, rounded where
+  ``models/layers/activation.py`` rounds.
+
+Products accumulate in float32. Inputs of more rows go to cuBLAS (``F.linear``), which reads the weights
+once for all of them.
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
+
+MAX_ROWS = 1
+
+PLAIN = 0
+RMS_NORM = 1
+ADD_RMS_NORM = 2
+SILU_AND_MUL = 3
+GELU_TANH_AND_MUL = 4
+GATED_ACTIVATIONS = {"silu": SILU_AND_MUL, "gelu_tanh": GELU_TANH_AND_MUL}
+
+
+class GemvConfig(NamedTuple):
+    block_n: int  # weight rows (output features) per program
+    block_k: int  # input features per step of the loop
+    num_warps: int
+    num_stages: int
+
+
+def default_gemv_config(out_features: int, in_features: int) -> GemvConfig:
+    """From an H200 sweep at Llama-3.2-1B's shapes (``tokenmill bench kernels --gemv-sweep``): long
+    contiguous row segments, few rows per program (more programs for short, narrow matrices), 8 warps on
+    long rows."""
+    if in_features >= 8192:
+        return GemvConfig(4, 2048, 8, 1)
+    block_n = 2 if out_features <= 2048 else 4
+    return GemvConfig(block_n, min(1024, next_power_of_2(in_features)), 4, 1)
+
+
+@triton.jit
+def _input_tile(
+    x_ptr: tl.tensor,
+    residual_ptr: tl.tensor,
+    norm_weight_ptr: tl.tensor,
+    new_residual_ptr: tl.tensor,
+    cols: tl.tensor,
+    col_ok: tl.tensor,
+    written_cols: tl.tensor,
+    in_features: int,
+    prologue: tl.constexpr,
+    unit_offset: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """Columns ``cols`` of the transformed input in float32 (before the ``1 / rms`` factor for the norm
+    prologues), and their squares' contribution to the sum of squares (zero without a norm)."""
+    x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
+    dtype = x.dtype
+    squares = tl.zeros(cols.shape, tl.float32)
+    if prologue == 1 or prologue == 2:
+        if prologue == 2:
+            x = (x.to(tl.float32) + tl.load(residual_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)).to(
+                dtype
+            )
+            tl.store(new_residual_ptr + cols, x, mask=col_ok & (cols < written_cols))
+        x32 = x.to(tl.float32)
+        squares = x32 * x32
+        weight = tl.load(norm_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        out = x32 * (1.0 + weight) if unit_offset else x32 * weight
+    elif prologue == 3 or prologue == 4:
+        up = tl.load(x_ptr + in_features + cols, mask=col_ok, other=0.0)
+        g = x.to(tl.float32)
+        if prologue == 3:
+            activated = g * tl.sigmoid(g)
+        else:  # gelu_tanh(g) = g * sigmoid(2u), u = sqrt(2/pi) * (g + 0.044715 g^3)
+            activated = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+        out = (activated.to(dtype).to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
+    else:
+        out = x.to(tl.float32)
+    return out, squares
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr: tl.tensor,
+    residual_ptr: tl.tensor,
+    norm_weight_ptr: tl.tensor,
+    weight_ptr: tl.tensor,
+    bias_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    new_residual_ptr: tl.tensor,
+    out_features: int,
+    in_features: int,
+    weight_row_stride: int,
+    eps: float,
+    prologue: tl.constexpr,
+    unit_offset: tl.constexpr,
+    has_bias: tl.constexpr,
+    block_n: tl.constexpr,
+    block_k: tl.constexpr,
+) -> None:
+    program = tl.program_id(0)
+    features = program * block_n + tl.arange(0, block_n)
+    feature_ok = features < out_features
+    written_cols = tl.where(program == 0, in_features, 0)  # the first program writes the residual
+    weight_rows = weight_ptr + features.to(tl.int64)[:, None] * weight_row_stride
+    products = tl.zeros([block_n, block_k], tl.float32)
+    squares = tl.zeros([block_k], tl.float32)
+    for start in range(0, in_features, block_k):
+        cols = start + tl.arange(0, block_k)
+        col_ok = cols < in_features
+        weight = tl.load(
+            weight_rows + cols[None, :],
+            mask=feature_ok[:, None] & col_ok[None, :],
+            other=0.0,
+            eviction_policy="evict_first",  # read once; keep the activations in cache instead
+        )
+        x, x_squares = _input_tile(
+            x_ptr,
+            residual_ptr,
+            norm_weight_ptr,
+            new_residual_ptr,
+            cols,
+            col_ok,
+            written_cols,
+            in_features,
+            prologue,
+            unit_offset,
+        )
+        products += weight.to(tl.float32) * x[None, :]
+        squares += x_squares
+    out = tl.sum(products, axis=1)
+    if prologue == 1 or prologue == 2:
+        out = out / tl.sqrt(tl.sum(squares, axis=0) / in_features + eps)
+    if has_bias:
+        out += tl.load(bias_ptr + features, mask=feature_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + features, out.to(out_ptr.dtype.element_ty), mask=feature_ok)
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+) -> torch.Tensor:
+    """``x W^T + b`` for ``x`` ``[1, K]`` and ``weight`` ``[N, K]``."""
+    return _launch(x, weight, bias, PLAIN, x.shape[-1], config)[0]
+
+
+def rms_norm_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm(x + residual) W^T + b`` (Llama style, or Gemma's ``1 + w`` with ``unit_offset``) and the
+    new residual ``x + residual`` (``x`` itself when there is no residual); ``residual`` is left unchanged."""
+    if norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm weight {norm_weight.dtype}{list(norm_weight.shape)} does not fit x {x.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {residual.dtype}{list(residual.shape)} != x {x.dtype}{list(x.shape)}")
+    prologue = RMS_NORM if residual is None else ADD_RMS_NORM
+    out, new_residual = _launch(
+        x, weight, bias, prologue, x.shape[-1], config, residual, norm_weight, eps, unit_offset
+    )
+    return out, x if new_residual is None else new_residual
+
+
+def gated_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    activation: str,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``(act(x[:, :I]) * x[:, I:]) W^T + b`` for a fused ``[gate | up]`` ``x`` ``[M, 2I]``;
+    ``activation`` is ``silu`` or ``gelu_tanh``."""
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(
+            f"unknown gated activation {activation!r}; expected one of {sorted(GATED_ACTIVATIONS)}"
+        )
+    if x.shape[-1] % 2:
+        raise ValueError(f"the fused [gate | up] dimension must be even, got {x.shape[-1]}")
+    return _launch(x, weight, bias, GATED_ACTIVATIONS[activation], x.shape[-1] // 2, config)[0]
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    prologue: int,
+    in_features: int,
+    config: GemvConfig | None,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    num_rows = x.shape[0]
+    out_features = weight.shape[0]
+    if x.dim() != 2 or num_rows > MAX_ROWS:
+        raise ValueError(f"gemv takes [M, K] inputs of at most {MAX_ROWS} row, got {list(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != in_features or weight.dtype != x.dtype:
+        raise ValueError(f"weight {weight.dtype}{list(weight.shape)} does not fit x {x.dtype}{list(x.shape)}")
+    if bias is not None and bias.shape != (out_features,):
+        raise ValueError(f"bias shape {list(bias.shape)} != ({out_features},)")
+    for name, tensor in (("x", x), ("weight", weight), ("residual", residual)):
+        if tensor is not None:
+            require_unit_last_stride(name, tensor)
+    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(x) if residual is not None else None
+    if num_rows == 0:
+        return out, new_residual
+    config = config or default_gemv_config(out_features, in_features)
+    _gemv_kernel[(triton.cdiv(out_features, config.block_n),)](
+        x,
+        residual if residual is not None else x,
+        norm_weight if norm_weight is not None else weight,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        new_residual if new_residual is not None else out,
+        out_features,
+        in_features,
+        weight.stride(0),
+        eps,
+        prologue=prologue,
+        unit_offset=unit_offset,
+        has_bias=bias is not None,
+        block_n=config.block_n,
+        block_k=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out, new_residual
