@@ -27,8 +27,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
-
-MAX_ROWS = 1
+from tokenmill.kernels.options import GEMV_MAX_ROWS as MAX_ROWS
 
 PLAIN = 0
 RMS_NORM = 1

@@ -11,6 +11,10 @@ import torch
 
 from tokenmill.kernels import triton_available
 
+# Rows (tokens) a projection may have to go through tokenmill.kernels.gemv; more go to cuBLAS, which reads
+# the weights once for all of them.
+GEMV_MAX_ROWS = 1
+
 
 @dataclass(frozen=True)
 class KernelOptions:

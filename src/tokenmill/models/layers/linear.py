@@ -4,7 +4,7 @@ Column-parallel layers split the output features across tensor-parallel ranks, r
 input features (and sum the partial results). Fused layers (QKV, gate+up) take the separate checkpoint
 tensors one shard at a time. With one rank these are plain linear layers; model code is the same either way.
 
-With ``use_gemv`` set (``CausalLM.use_kernels``), inputs of at most ``tokenmill.kernels.gemv.MAX_ROWS``
+With ``use_gemv`` set (``CausalLM.use_kernels``), inputs of at most ``GEMV_MAX_ROWS``
 rows (small-batch decode) go through the Triton GEMV, which can also take the step before the projection:
 ``forward_gated`` applies a gated activation first, :func:`norm_and_project` an RMSNorm. With a
 ``packed_weight`` (float32 on CPU, ``EngineConfig.prepacked_cpu_linear``) they run through oneDNN.
@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import all_reduce_sum, divide, tp_rank, tp_world_size
+from tokenmill.kernels.options import GEMV_MAX_ROWS
 from tokenmill.models.layers.activation import GatedActivation
 from tokenmill.models.layers.cpu_linear import packed_linear
 from tokenmill.models.layers.norm import RMSNorm
 
 ShardId = str | int | None
-GEMV_MAX_ROWS = 1  # tokenmill.kernels.gemv.MAX_ROWS (not imported here: importing it imports triton)
 
 
 def check_shape(param: torch.Tensor, loaded: torch.Tensor) -> None:
