@@ -269,16 +269,48 @@ def test_captured_graphs_match_the_reference_loop(tiny_llama_folder, overlap: bo
     assert (graphs.num_reused > 0) == overlap
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="programmatic dependent launch needs a Hopper (or later) GPU",
+)
+def test_programmatic_launch_changes_no_token_or_logprob(tiny_llama_folder) -> None:  # type: ignore[no-untyped-def]
+    """In bfloat16 the GEMVs (batch 1) and every other kernel of the decode graphs run with and without
+    PDL: the same greedy tokens and bit-identical logprobs, alone and batched."""
+    loaded = load_model(tiny_llama_folder, device="cuda", dtype="bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = {"a": [4, 8, 15, 16, 23], "b": [42, 7], "c": [3, 1, 4, 1, 5, 9, 2, 6]}
+    results = []
+    for pdl in (False, True):
+        engine = engine_for(
+            loaded, device="cuda", attention_backend="triton", cuda_graphs=True, overlap_decode=True,
+            cuda_graph_max_batch_size=4, block_size=4, num_kv_blocks=64, max_model_len=64,
+            programmatic_launch=pdl,
+        )  # fmt: skip
+        assert loaded.model.kernel_options.pdl == pdl and loaded.model.kernel_options.gemv
+        alone = run_to_completion(engine, {"alone": (prompts["a"], params)})
+        batched = run_to_completion(engine, {name: (ids, params) for name, ids in prompts.items()})
+        results.append(
+            {
+                name: (out.outputs[0].token_ids, out.outputs[0].logprobs)
+                for name, out in {**alone, **batched}.items()
+            }
+        )
+    assert results[0] == results[1]
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's CPU interpreter")
-def test_triton_decode_with_a_fixed_split_bound_matches_the_reference_loop(tiny) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("fused", [False, True])
+def test_triton_decode_with_a_fixed_split_bound_matches_the_reference_loop(tiny, fused: bool) -> None:  # type: ignore[no-untyped-def]
     """Graphs bound the context by max_model_len, so split-K runs partitions past the end of each
-    sequence (4 of 16 keys here, where the eager step needs 1 or 2): they must add nothing."""
+    sequence (4 of 16 keys here, where the eager step needs 1 or 2): they must add nothing. Padded rows
+    (slot -1) must write nothing when the decode kernel stores the new K/V itself (``fused``)."""
     pytest.importorskip("triton")
     from tokenmill.attention.triton_backend import TritonAttentionBackend
     from tokenmill.kernels.paged_attention import DecodeConfig
 
     engine = engine_for(tiny, attention_backend="triton", block_size=4, num_kv_blocks=64, max_model_len=64)
-    engine.runner.backend = TritonAttentionBackend(16, DecodeConfig(block_n=16, num_warps=4, num_stages=1))
+    config = DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+    engine.runner.backend = TritonAttentionBackend(16, config, fused_decode_rotary_kv=fused)
     _check_against_reference(tiny, engine, _with_static_decode(engine, (1, 2, 4)))
 
 

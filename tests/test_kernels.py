@@ -22,6 +22,7 @@ from tokenmill.attention import (
     AttentionLayer,
     AttentionMetadata,
     KVCacheLayer,
+    PendingRotary,
     TorchAttentionBackend,
 )
 from tokenmill.attention.torch_backend import write_kv_cache
@@ -46,6 +47,12 @@ ON_CUDA = torch.cuda.is_available() and not interpreter_enabled()
 DEVICES = ["cuda"] if ON_CUDA else ["cpu"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16] if ON_CUDA else [torch.float32]
 # Relative error (Frobenius) that attention may always have, whatever the reference's own error.
+# Rotated keys (|k| up to ~4): half a unit in the last place of a product, or one of the result.
+ROTATED_KEY_TOLERANCE = {
+    torch.float32: {"rtol": 2**-22, "atol": 2**-21},
+    torch.bfloat16: {"rtol": 2**-7, "atol": 2**-6},
+    torch.float16: {"rtol": 2**-10, "atol": 2**-9},
+}
 ERROR_FLOOR = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 GQA_SHAPES = [(4, 4), (4, 2), (8, 2), (8, 1)]  # query heads per KV head: 1, 2, 4, 8
 HEAD_DIMS = [64, 128, 256]
@@ -350,12 +357,27 @@ def random_batch(
 
 
 def check_against_reference(
-    batch: PagedBatch, layer: AttentionLayer, backends: list[TritonAttentionBackend], dtype: torch.dtype
+    batch: PagedBatch,
+    layer: AttentionLayer,
+    backends: list[TritonAttentionBackend],
+    dtype: torch.dtype,
+    rotary: RotaryEmbedding | None = None,
 ) -> None:
-    """Each backend's output and cache against the PyTorch backend's, at ``dtype`` and in float64."""
+    """Each backend's output and cache against the PyTorch backend's, at ``dtype`` and in float64; with
+    ``rotary``, q and k are handed over unrotated with the rotation by each token's position."""
+    positions = torch.cat(
+        [
+            torch.arange(n - (b - a), n)
+            for n, a, b in zip(batch.seq_lens, batch.starts, batch.starts[1:], strict=False)
+        ]
+    ).to(batch.query.device)
+
+    def pending(module: RotaryEmbedding | None) -> PendingRotary | None:
+        return None if module is None else module.pending(positions, layer.head_dim)
+
     expected_cache = batch.cache_copy()
     expected = TorchAttentionBackend().forward(
-        layer, batch.query, batch.key, batch.value, batch.metadata(), expected_cache
+        layer, batch.query, batch.key, batch.value, batch.metadata(), expected_cache, pending(rotary)
     )
     exact = expected.double()
     if dtype != torch.float32:
@@ -366,11 +388,18 @@ def check_against_reference(
             batch.value.double(),
             batch.metadata(),
             batch.cache_copy(torch.float64),
+            pending(rotary),  # the float32 tables are cast to the activations' dtype at use
         )
     for backend in backends:
         cache = batch.cache_copy()
-        out = backend.forward(layer, batch.query, batch.key, batch.value, batch.metadata(), cache)
-        assert torch.equal(cache.key, expected_cache.key) and torch.equal(cache.value, expected_cache.value)
+        out = backend.forward(
+            layer, batch.query, batch.key, batch.value, batch.metadata(), cache, pending(rotary)
+        )
+        assert torch.equal(cache.value, expected_cache.value)
+        if rotary is None:
+            assert torch.equal(cache.key, expected_cache.key)
+        else:  # a rotation in the kernel may fuse a product into the sum on the GPU: one rounding fewer
+            torch.testing.assert_close(cache.key, expected_cache.key, **ROTATED_KEY_TOLERANCE[dtype])
         assert_attention_close(out, expected, exact, dtype)
 
 
@@ -436,15 +465,23 @@ def test_paged_attention_mixed_batches(device: str, case: AttentionCase) -> None
 
 @pytest.mark.parametrize("case", attention_cases(window=7), ids=_case_id)
 def test_paged_attention_decode(device: str, case: AttentionCase) -> None:
-    """One new token per sequence, in one program per sequence or split over 16-key partitions."""
+    """One new token per sequence, in one program per sequence or split over 16-key partitions; the new
+    K/V written by the KV-write kernel or by the decode kernel itself, which also applies the rotary
+    embedding when it is handed over."""
     dtype, heads, kv_heads, head_dim, window = case
     seed = 7 + heads * 1000 + kv_heads * 100 + head_dim + (window or 0)
     batch = random_batch(seed, heads, kv_heads, head_dim, mode="decode", dtype=dtype, device=device)
+    layer = _layer(heads, kv_heads, head_dim, window)
     backends = [
-        TritonAttentionBackend(),
-        TritonAttentionBackend(decode_partition_size=16, decode_config=SMALL_DECODE),
+        TritonAttentionBackend(
+            fused_decode_rotary_kv=fused, decode_partition_size=partition, decode_config=config
+        )
+        for fused in (False, True)
+        for partition, config in ((None, None), (16, SMALL_DECODE))
     ]
-    check_against_reference(batch, _layer(heads, kv_heads, head_dim, window), backends, dtype)
+    check_against_reference(batch, layer, backends, dtype)
+    rotary = RotaryEmbedding(head_dim, 64, RopeConfig(theta=10000.0)).to(device)
+    check_against_reference(batch, layer, backends, dtype, rotary)
 
 
 @pytest.mark.parametrize("window", [None, 100, 300])
@@ -453,7 +490,9 @@ def test_decode_default_split_on_a_long_context(device: str, dtype: torch.dtype,
     batch = random_batch(
         11, 4, 1, 64, mode="decode", dtype=dtype, device=device, max_len=700, batch=2, block_size=16
     )
-    check_against_reference(batch, _layer(4, 1, 64, window), [TritonAttentionBackend()], dtype)
+    backends = [TritonAttentionBackend(), TritonAttentionBackend(fused_decode_rotary_kv=True)]
+    rotary = RotaryEmbedding(64, 1024, RopeConfig(theta=500000.0, rope_type="llama3", factor=32.0)).to(device)
+    check_against_reference(batch, _layer(4, 1, 64, window), backends, dtype, rotary)
 
 
 def test_decode_merges_leave_their_counters_at_zero(device: str) -> None:
@@ -642,6 +681,9 @@ def test_kernel_options_auto_is_off_on_cpu_and_explicit_on_needs_triton(
     if ON_CUDA:
         assert KernelOptions.resolve("cuda").enabled == KERNEL_TOGGLES
         assert KernelOptions.resolve("cuda", activation=False).enabled == ("rms_norm", "rotary", "gemv")
+    assert not KernelOptions.resolve("cpu").pdl
+    with pytest.raises(ValueError, match="programmatic dependent launch needs compiled Triton"):
+        KernelOptions.resolve("cpu", pdl=True)  # the interpreter too: it has no launch to make dependent
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="fused rms_norm kernel needs Triton"):
         KernelOptions.resolve("cpu", rms_norm=True)
@@ -662,10 +704,10 @@ def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_fo
     engine = engine_for(
         loaded, device=device, attention_backend="triton", block_size=4, num_kv_blocks=64, max_model_len=64,
         fused_rms_norm=True, fused_rotary=True, fused_activation=True, fused_gemv=True,
-        fused_sampling=True,
+        fused_decode_rotary_kv=True, fused_sampling=True,
     )  # fmt: skip
     assert loaded.model.kernel_options.enabled == KERNEL_TOGGLES
-    assert engine.runner.sampler.use_triton
+    assert engine.runner.sampler.use_triton and engine.runner.backend.fused_decode_rotary_kv
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=5, ignore_eos=True)
     outputs = run_to_completion(engine, {"a": ([4, 8, 15, 16], greedy), "b": ([23, 42], seeded)})

@@ -5,7 +5,7 @@ else it needs (where each sequence starts, how much context it has, where to wri
 blocks hold its past) lives in the :class:`ForwardContext` that the caller sets around the forward pass.
 """
 
-from tokenmill.attention.backend import AttentionBackend, AttentionLayer, attention
+from tokenmill.attention.backend import AttentionBackend, AttentionLayer, PendingRotary, attention
 from tokenmill.attention.context import (
     AttentionMetadata,
     ForwardContext,
@@ -21,6 +21,7 @@ __all__ = [
     "AttentionMetadata",
     "ForwardContext",
     "KVCacheLayer",
+    "PendingRotary",
     "TorchAttentionBackend",
     "attention",
     "forward_context",

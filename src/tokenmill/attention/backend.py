@@ -1,6 +1,7 @@
 """Attention backends: swappable implementations of packed, variable-length, paged attention."""
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,18 @@ class AttentionLayer:
     )
 
 
+@dataclass(frozen=True)
+class PendingRotary:
+    """The rotary embedding that query and key still need, handed to the backend so that a kernel may
+    apply it on the way (the Triton decode kernel does); any backend may simply call ``apply`` first."""
+
+    positions: torch.Tensor  # [T]
+    apply: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (q, k) -> rotated
+    # [max_positions, head_dim], cos then sin, for a rotation of the whole head (rotate-half); None when
+    # only ``apply`` can do it (e.g. a partial rotary dimension)
+    cos_sin_cache: torch.Tensor | None
+
+
 class AttentionBackend(ABC):
     @abstractmethod
     def forward(
@@ -32,14 +45,20 @@ class AttentionBackend(ABC):
         value: torch.Tensor,  # [T, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         kv_cache: KVCacheLayer | None,
+        rotary: PendingRotary | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write the new K/V into ``kv_cache`` (when given) and attend causally over each sequence."""
+        """Rotate query and key (``rotary``), write the new K/V into ``kv_cache`` (when given) and attend
+        causally over each sequence."""
 
 
 def attention(
-    layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    layer: AttentionLayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rotary: PendingRotary | None = None,
 ) -> torch.Tensor:
     """The call model code makes: dispatches to the backend and KV cache of the current forward context."""
     ctx = get_forward_context()
     kv_cache = ctx.kv_caches[layer.layer_idx] if ctx.kv_caches is not None else None
-    return ctx.backend.forward(layer, query, key, value, ctx.metadata, kv_cache)
+    return ctx.backend.forward(layer, query, key, value, ctx.metadata, kv_cache, rotary)

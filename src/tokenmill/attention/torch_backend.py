@@ -16,7 +16,7 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.backend import AttentionBackend, AttentionLayer
+from tokenmill.attention.backend import AttentionBackend, AttentionLayer, PendingRotary
 from tokenmill.attention.context import AttentionMetadata, KVCacheLayer
 
 
@@ -29,7 +29,10 @@ class TorchAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         metadata: AttentionMetadata,
         kv_cache: KVCacheLayer | None,
+        rotary: PendingRotary | None = None,
     ) -> torch.Tensor:
+        if rotary is not None:
+            query, key = rotary.apply(query, key)
         plan = _plan(metadata, kv_cache)
         if kv_cache is not None:
             assert plan.write is not None

@@ -14,12 +14,14 @@ Same semantics as :class:`~tokenmill.attention.torch_backend.TorchAttentionBacke
 
 import torch
 
-from tokenmill.attention.backend import AttentionBackend, AttentionLayer
+from tokenmill.attention.backend import AttentionBackend, AttentionLayer, PendingRotary
 from tokenmill.attention.context import AttentionMetadata, KVCacheLayer
 from tokenmill.kernels.kv_write import write_kv
 from tokenmill.kernels.paged_attention import (
     DecodeConfig,
+    NewTokens,
     PrefillConfig,
+    Rotation,
     check_head_dim,
     paged_decode_attention,
     paged_prefill_attention,
@@ -33,11 +35,18 @@ class TritonAttentionBackend(AttentionBackend):
         decode_partition_size: int | None = None,
         decode_config: DecodeConfig | None = None,
         prefill_config: PrefillConfig | None = None,
+        pdl: bool = False,
+        fused_decode_rotary_kv: bool = False,
     ) -> None:
-        """The arguments override the kernels' tile choices (for tuning and tests); None picks defaults."""
+        """The first three override the kernels' tile choices (for tuning and tests; None picks defaults);
+        ``pdl`` launches the KV write and decode kernels programmatically dependent
+        (``tokenmill.kernels.launch``); ``fused_decode_rotary_kv`` lets the decode kernel rotate q and the
+        new key and store the new K/V itself (no rotary and KV-write launches on decode steps)."""
         self.decode_partition_size = decode_partition_size
         self.decode_config = decode_config
         self.prefill_config = prefill_config
+        self.pdl = pdl
+        self.fused_decode_rotary_kv = fused_decode_rotary_kv
 
     def forward(
         self,
@@ -47,8 +56,13 @@ class TritonAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         metadata: AttentionMetadata,
         kv_cache: KVCacheLayer | None,
+        rotary: PendingRotary | None = None,
     ) -> torch.Tensor:
         check_head_dim(layer.head_dim)
+        if kv_cache is not None and metadata.max_query_len == 1 and query.shape[0] == metadata.num_seqs:
+            return self._decode(layer, query, key, value, metadata, kv_cache, rotary)
+        if rotary is not None:
+            query, key = rotary.apply(query, key)
         window = layer.sliding_window
         if kv_cache is None:
             return varlen_attention(
@@ -62,20 +76,7 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.derived,
             )
         slot_mapping, block_tables = _require_paging(metadata)
-        write_kv(key, value, kv_cache.key, kv_cache.value, slot_mapping)
-        if metadata.max_query_len == 1 and query.shape[0] == metadata.num_seqs:
-            return paged_decode_attention(
-                query,
-                kv_cache.key,
-                kv_cache.value,
-                block_tables,
-                metadata.seq_lens,
-                metadata.max_seq_len,
-                layer.scale,
-                window,
-                self.decode_partition_size,
-                self.decode_config,
-            )
+        write_kv(key, value, kv_cache.key, kv_cache.value, slot_mapping, self.pdl)
         return paged_prefill_attention(
             query,
             kv_cache.key,
@@ -87,6 +88,44 @@ class TritonAttentionBackend(AttentionBackend):
             window,
             self.prefill_config,
             metadata.derived,
+        )
+
+    def _decode(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: KVCacheLayer,
+        rotary: PendingRotary | None,
+    ) -> torch.Tensor:
+        """One new token per sequence. With ``fused_decode_rotary_kv`` a single launch per layer: the
+        decode kernel stores the new K/V, and rotates q and k on the way when the rotation covers the whole
+        head (otherwise it is applied first); without, the rotary and KV-write kernels run before it."""
+        slot_mapping, block_tables = _require_paging(metadata)
+        fused = self.fused_decode_rotary_kv
+        rotation = None
+        if fused and rotary is not None and rotary.cos_sin_cache is not None:
+            rotation = Rotation(rotary.positions, rotary.cos_sin_cache)
+        elif rotary is not None:
+            query, key = rotary.apply(query, key)
+        if not fused:
+            write_kv(key, value, kv_cache.key, kv_cache.value, slot_mapping, self.pdl)
+        return paged_decode_attention(
+            query,
+            kv_cache.key,
+            kv_cache.value,
+            block_tables,
+            metadata.seq_lens,
+            metadata.max_seq_len,
+            layer.scale,
+            layer.sliding_window,
+            self.decode_partition_size,
+            self.decode_config,
+            pdl=self.pdl,
+            new_tokens=NewTokens(key, value, slot_mapping) if fused else None,
+            rotation=rotation,
         )
 
 

@@ -26,7 +26,9 @@ PLAIN_PATH = {
     "fused_rotary": False,
     "fused_activation": False,
     "fused_gemv": False,
+    "fused_decode_rotary_kv": False,
     "fused_sampling": False,
+    "programmatic_launch": False,
     "cuda_graphs": False,
     "overlap_decode": False,
 }

@@ -98,6 +98,10 @@ def _cuda_graphs(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
     return config.with_options(cuda_graphs=True)
 
 
+def _programmatic_launch(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
+    return config.with_options(programmatic_launch=None)  # on where the GPU supports it (Hopper+)
+
+
 def _overlap_decode(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
     return config.with_options(overlap_decode=True)
 
@@ -110,10 +114,19 @@ RUNGS: list[Rung] = [
     Rung("paged KV", "kv_cache=paged, same KV bytes as contiguous, max_num_seqs=N", _paged),
     Rung("Triton attention", "attention_backend=triton", _triton_attention, cuda_only=True),
     Rung(
-        "fused kernels", "fused_rms_norm/rotary/activation/gemv/sampling=True", _fused_kernels, cuda_only=True
+        "fused kernels",
+        "fused_rms_norm/rotary/activation/gemv/decode_rotary_kv/sampling=True",
+        _fused_kernels,
+        cuda_only=True,
     ),
     Rung("CUDA graphs", "cuda_graphs=True (decode steps replayed)", _cuda_graphs, cuda_only=True),
     Rung("overlapped decode", "overlap_decode=True", _overlap_decode, cuda_only=True),
+    Rung(
+        "programmatic launch",
+        "programmatic_launch=auto (on for Hopper+)",
+        _programmatic_launch,
+        cuda_only=True,
+    ),
 ]
 
 
@@ -377,7 +390,7 @@ def ladder_configs(
     setup = LadderSetup(args.batch_size, workload.num_requests, max_model_len, args.block_size)
     # Every fused kernel off at the start (their default is on with CUDA), so the GPU rungs add them.
     base = common.base_engine_config(args, loaded, max_model_len).with_options(
-        block_size=args.block_size, **dict.fromkeys(FUSED_KERNEL_TOGGLES, False)
+        block_size=args.block_size, programmatic_launch=False, **dict.fromkeys(FUSED_KERNEL_TOGGLES, False)
     )
     wanted = {rung.name for rung in selected_rungs(args.rungs)}
     if loaded.device.type != "cuda":

@@ -14,6 +14,7 @@ FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_rotary",
     "fused_activation",
     "fused_gemv",
+    "fused_decode_rotary_kv",
     "fused_sampling",
 )
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
@@ -68,9 +69,15 @@ class EngineConfig:
     fused_rms_norm: bool | None = None  # RMSNorm with the residual add fused in (one launch)
     fused_rotary: bool | None = None  # rotary embedding of q and k in place (one launch)
     fused_activation: bool | None = None  # SwiGLU / GeGLU activation-and-multiply (one launch)
-    # Projections of up to 4 rows (small-batch decode) as Triton GEMVs, with the RMSNorm (and residual
+    # One-row projections (batch-1 decode) as Triton GEMVs, with the RMSNorm (and residual
     # add) before q/k/v and gate/up, and the gated activation before down_proj, fused into their loads.
     fused_gemv: bool | None = None
+    # Triton attention: decode steps rotate q and the new key and store the new K/V inside the decode
+    # attention kernel (no rotary and KV-write launches per layer); prefill keeps the separate kernels.
+    fused_decode_rotary_kv: bool | None = None
+    # Hopper and later: launch the Triton kernels programmatically dependent, so each one starts (and
+    # loads its weights) while the one before it finishes, and waits only for that one's results.
+    programmatic_launch: bool | None = None
     fused_sampling: bool | None = None  # temperature, top-k/min-p and the draw in one pass (Gumbel-max)
     # Replay pure-decode steps from CUDA graphs (one per padded batch size). CUDA + triton attention only;
     # ignored on CPU. Batches above the largest captured size, and prefill / mixed steps, run eagerly.
@@ -82,7 +89,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.kv_cache in KV_CACHE_MODES, "kv_cache", f"one of {KV_CACHE_MODES}", self.kv_cache)
-        for name in FUSED_KERNEL_TOGGLES:
+        for name in (*FUSED_KERNEL_TOGGLES, "programmatic_launch"):
             value = getattr(self, name)
             _require(value is None or isinstance(value, bool), name, "None (auto), True or False", value)
         _require(self.batching in BATCHING_MODES, "batching", f"one of {BATCHING_MODES}", self.batching)
@@ -151,6 +158,12 @@ class EngineConfig:
             "chunked_prefill",
             "off when kv_cache is 'none' (a recomputed sequence has no cache to continue from)",
             self.chunked_prefill,
+        )
+        _require(
+            not (self.fused_decode_rotary_kv and self.attention_backend != "triton"),
+            "fused_decode_rotary_kv",
+            "off unless attention_backend is 'triton' (it is part of the Triton decode kernel)",
+            self.fused_decode_rotary_kv,
         )
         self._check_cuda_graphs()
 

@@ -65,9 +65,11 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self._eos_token_ids()
         dtype = next(self.loaded.model.parameters()).dtype
-        self.loaded.model.use_kernels(self._kernel_options())  # before the runner (and any graph capture)
+        kernel_options = self._kernel_options()
+        self.loaded.model.use_kernels(kernel_options)  # before the runner (and any graph capture)
         prepack_linear_weights(self.loaded.model, config.prepacked_cpu_linear)
-        self.runner = ModelRunner(self.loaded.model, None, self._attention_backend(), self.device)
+        attention = self._attention_backend(kernel_options.pdl)
+        self.runner = ModelRunner(self.loaded.model, None, attention, self.device)
         self.runner.sampler.use_triton = resolve_kernel_toggle("sampling", config.fused_sampling, self.device)
         # On CUDA the pool is sized after profiling the largest step through the runner.
         self.kv_cache: KVCache | None = create_kv_cache(
@@ -99,9 +101,10 @@ class LLMEngine:
             config.fused_rotary,
             config.fused_activation,
             config.fused_gemv,
+            config.programmatic_launch,
         )
 
-    def _attention_backend(self) -> AttentionBackend:
+    def _attention_backend(self, pdl: bool) -> AttentionBackend:
         if self.config.attention_backend == "torch":
             return TorchAttentionBackend()
         from tokenmill.attention.triton_backend import TritonAttentionBackend
@@ -111,7 +114,8 @@ class LLMEngine:
             raise ValueError(
                 "attention_backend 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)"
             )
-        return TritonAttentionBackend()
+        fused = resolve_kernel_toggle("decode_rotary_kv", self.config.fused_decode_rotary_kv, self.device)
+        return TritonAttentionBackend(pdl=pdl, fused_decode_rotary_kv=fused)
 
     def _max_model_len(self) -> int:
         model_limit = self.model_config.max_position_embeddings

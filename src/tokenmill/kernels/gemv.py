@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
+from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 from tokenmill.kernels.options import GEMV_MAX_ROWS as MAX_ROWS
 
 PLAIN = 0
@@ -96,6 +97,21 @@ def _input_tile(
 
 
 @triton.jit
+def _weight_tile(
+    weight_rows: tl.tensor, feature_ok: tl.tensor, start: int, in_features: int, block_k: tl.constexpr
+) -> tl.tensor:
+    """Columns ``[start, start + block_k)`` of the program's weight rows, loaded one step ahead of their
+    use (past the last column the mask reads nothing)."""
+    cols = start + tl.arange(0, block_k)
+    return tl.load(
+        weight_rows + cols[None, :],
+        mask=feature_ok[:, None] & (cols < in_features)[None, :],
+        other=0.0,
+        eviction_policy="evict_first",  # read once; keep the activations in cache instead
+    )
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr: tl.tensor,
     residual_ptr: tl.tensor,
@@ -113,30 +129,26 @@ def _gemv_kernel(
     has_bias: tl.constexpr,
     block_n: tl.constexpr,
     block_k: tl.constexpr,
+    pdl: tl.constexpr,
 ) -> None:
     program = tl.program_id(0)
     features = program * block_n + tl.arange(0, block_n)
     feature_ok = features < out_features
     written_cols = tl.where(program == 0, in_features, 0)  # the first program writes the residual
     weight_rows = weight_ptr + features.to(tl.int64)[:, None] * weight_row_stride
+    weight = _weight_tile(weight_rows, feature_ok, 0, in_features, block_k)
+    wait_for_previous_kernel(pdl)  # the weights are constants: only the activations wait for it
     products = tl.zeros([block_n, block_k], tl.float32)
     squares = tl.zeros([block_k], tl.float32)
     for start in range(0, in_features, block_k):
         cols = start + tl.arange(0, block_k)
-        col_ok = cols < in_features
-        weight = tl.load(
-            weight_rows + cols[None, :],
-            mask=feature_ok[:, None] & col_ok[None, :],
-            other=0.0,
-            eviction_policy="evict_first",  # read once; keep the activations in cache instead
-        )
         x, x_squares = _input_tile(
             x_ptr,
             residual_ptr,
             norm_weight_ptr,
             new_residual_ptr,
             cols,
-            col_ok,
+            cols < in_features,
             written_cols,
             in_features,
             prologue,
@@ -144,6 +156,7 @@ def _gemv_kernel(
         )
         products += weight.to(tl.float32) * x[None, :]
         squares += x_squares
+        weight = _weight_tile(weight_rows, feature_ok, start + block_k, in_features, block_k)
     out = tl.sum(products, axis=1)
     if prologue == 1 or prologue == 2:
         out = out / tl.sqrt(tl.sum(squares, axis=0) / in_features + eps)
@@ -153,10 +166,14 @@ def _gemv_kernel(
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``x W^T + b`` for ``x`` ``[1, K]`` and ``weight`` ``[N, K]``."""
-    return _launch(x, weight, bias, PLAIN, x.shape[-1], config)[0]
+    return _launch(x, weight, bias, PLAIN, x.shape[-1], config, pdl)[0]
 
 
 def rms_norm_gemv(
@@ -168,6 +185,7 @@ def rms_norm_gemv(
     unit_offset: bool = False,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm(x + residual) W^T + b`` (Llama style, or Gemma's ``1 + w`` with ``unit_offset``) and the
     new residual ``x + residual`` (``x`` itself when there is no residual); ``residual`` is left unchanged."""
@@ -177,7 +195,7 @@ def rms_norm_gemv(
         raise ValueError(f"residual {residual.dtype}{list(residual.shape)} != x {x.dtype}{list(x.shape)}")
     prologue = RMS_NORM if residual is None else ADD_RMS_NORM
     out, new_residual = _launch(
-        x, weight, bias, prologue, x.shape[-1], config, residual, norm_weight, eps, unit_offset
+        x, weight, bias, prologue, x.shape[-1], config, pdl, residual, norm_weight, eps, unit_offset
     )
     return out, x if new_residual is None else new_residual
 
@@ -188,6 +206,7 @@ def gated_gemv(
     activation: str,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``(act(x[:, :I]) * x[:, I:]) W^T + b`` for a fused ``[gate | up]`` ``x`` ``[M, 2I]``;
     ``activation`` is ``silu`` or ``gelu_tanh``."""
@@ -197,7 +216,7 @@ def gated_gemv(
         )
     if x.shape[-1] % 2:
         raise ValueError(f"the fused [gate | up] dimension must be even, got {x.shape[-1]}")
-    return _launch(x, weight, bias, GATED_ACTIVATIONS[activation], x.shape[-1] // 2, config)[0]
+    return _launch(x, weight, bias, GATED_ACTIVATIONS[activation], x.shape[-1] // 2, config, pdl)[0]
 
 
 def _launch(
@@ -207,6 +226,7 @@ def _launch(
     prologue: int,
     in_features: int,
     config: GemvConfig | None,
+    pdl: bool,
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
@@ -245,7 +265,9 @@ def _launch(
         has_bias=bias is not None,
         block_n=config.block_n,
         block_k=config.block_k,
+        pdl=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(pdl),
     )
     return out, new_residual

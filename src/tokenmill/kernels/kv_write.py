@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
+from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 
 
 @triton.jit
@@ -26,9 +27,11 @@ def _write_kv_kernel(
     block_size: tl.constexpr,
     head_dim: tl.constexpr,
     block: tl.constexpr,
+    pdl: tl.constexpr,
 ) -> None:
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    wait_for_previous_kernel(pdl)
     # One program moves all heads of one token: element i is head i // head_dim, dim i % head_dim.
     offsets = tl.arange(0, block)
     heads = offsets // head_dim
@@ -48,6 +51,7 @@ def write_kv(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     slot_mapping: torch.Tensor,
+    pdl: bool = False,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into ``[num_blocks, block_size, Hkv, D]`` pools."""
     num_tokens, num_heads, head_dim = key.shape
@@ -76,5 +80,7 @@ def write_kv(
         block_size=k_pool.shape[1],
         head_dim=head_dim,
         block=next_power_of_2(num_heads * head_dim),
+        pdl=pdl,
         num_warps=4,
+        **launch_options(pdl),
     )

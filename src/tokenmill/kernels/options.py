@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from tokenmill.kernels import triton_available
+from tokenmill.kernels import interpreter_enabled, triton_available
 
 # Rows (tokens) a projection may have to go through tokenmill.kernels.gemv; more go to cuBLAS, which reads
 # the weights once for all of them.
@@ -24,6 +24,9 @@ class KernelOptions:
     rotary: bool = False  # rotary embedding of q and k in place, one launch (tokenmill.kernels.rotary)
     activation: bool = False  # SwiGLU / GeGLU activation-and-multiply (tokenmill.kernels.activation)
     gemv: bool = False  # projections of a few rows, norm / activation fused in (tokenmill.kernels.gemv)
+    # Launch the kernels above (and the attention backend's) programmatically dependent: each starts while
+    # the one before it finishes and waits only where it reads its results (tokenmill.kernels.launch).
+    pdl: bool = False
 
     @classmethod
     def resolve(
@@ -33,6 +36,7 @@ class KernelOptions:
         rotary: bool | None = None,
         activation: bool | None = None,
         gemv: bool | None = None,
+        pdl: bool | None = None,
     ) -> "KernelOptions":
         """Options for a model on ``device``; see the module docstring for None / True / False."""
         return cls(
@@ -40,17 +44,39 @@ class KernelOptions:
             rotary=resolve_kernel_toggle("rotary", rotary, device),
             activation=resolve_kernel_toggle("activation", activation, device),
             gemv=resolve_kernel_toggle("gemv", gemv, device),
+            pdl=resolve_pdl(pdl, device),
         )
 
     @property
     def enabled(self) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(self) if getattr(self, f.name))
+        """The fused kernels switched on (``pdl`` is how they launch, not a kernel)."""
+        return tuple(f.name for f in fields(self) if f.name != "pdl" and getattr(self, f.name))
 
 
 def kernels_auto_on(device: torch.device | str) -> bool:
     """The auto setting: on for CUDA devices where Triton compiles kernels, off on CPU (even where the
     interpreter could run them: it is orders of magnitude slower than PyTorch)."""
     return torch.device(device).type == "cuda" and triton_available(device)
+
+
+def pdl_supported(device: torch.device | str) -> bool:
+    """Whether kernels on ``device`` can be launched programmatically dependent: compiled (not
+    interpreted) Triton on a CUDA device of compute capability 9.0 or later."""
+    device = torch.device(device)
+    if not kernels_auto_on(device) or interpreter_enabled():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def resolve_pdl(requested: bool | None, device: torch.device | str) -> bool:
+    if requested is None:
+        return pdl_supported(device)
+    if requested and not pdl_supported(device):
+        raise ValueError(
+            "programmatic dependent launch needs compiled Triton kernels on a CUDA device of compute "
+            f"capability 9.0 or later (Hopper); it cannot run on {torch.device(device)} here"
+        )
+    return requested
 
 
 def resolve_kernel_toggle(name: str, requested: bool | None, device: torch.device | str) -> bool:

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import cdiv, next_power_of_2, require_unit_last_stride, sm_count
+from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 
 LOG2E = math.log2(math.e)
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows on the GPU
@@ -35,6 +36,8 @@ MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows on the GPU
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_MIN_PARTITION = 128  # ...into partitions of the bound no shorter than this (keys)...
 DECODE_MAX_SPLITS = 64  # ...and no more than this many
+MERGE_CHUNK = tl.constexpr(8)  # partitions a split merge reads per round of loads
+PREFETCH_BYTES = 16384  # keys of the first tile a decode program loads before it waits, in K bytes
 
 
 class PrefillConfig(NamedTuple):
@@ -58,6 +61,21 @@ class DecodeSplit(NamedTuple):
 
     num_splits: int
     min_partition: int  # keys, a multiple of the config's block_n
+
+
+class NewTokens(NamedTuple):
+    """The decode step's own K/V, for the decode kernel to store (instead of a ``write_kv`` launch)."""
+
+    key: torch.Tensor  # [B, Hkv, D]
+    value: torch.Tensor  # [B, Hkv, D], the key's strides
+    slot_mapping: torch.Tensor  # [B] flat pool slot of each token; -1 skips a row (padding)
+
+
+class Rotation(NamedTuple):
+    """The rotary embedding that the query and new key still need (rotate-half, full head dim)."""
+
+    positions: torch.Tensor  # [B]
+    cos_sin_cache: torch.Tensor  # [max_positions, D]: cos of the D/2 frequencies, then their sin
 
 
 def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
@@ -191,6 +209,70 @@ def _partition_length(
     return tl.maximum(per_split, min_partition)
 
 
+@triton.jit
+def _attend_tile(
+    q: tl.tensor,
+    row_max: tl.tensor,
+    row_sum: tl.tensor,
+    acc: tl.tensor,
+    k: tl.tensor,
+    v: tl.tensor,
+    in_range: tl.tensor,
+    scale_log2: float,
+    precision: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Fold a loaded tile of keys ``[N, D]`` and values into the running state; keys out of range
+    (masked) count for nothing."""
+    scores = tl.dot(q, tl.trans(k), input_precision=precision) * scale_log2
+    scores = tl.where(in_range[None, :], scores, float("-inf"))
+    return _softmax_step(scores, row_max, row_sum, acc, v, precision)
+
+
+@triton.jit
+def _attend_one_key(
+    q: tl.tensor,
+    row_max: tl.tensor,
+    row_sum: tl.tensor,
+    acc: tl.tensor,
+    k: tl.tensor,
+    v: tl.tensor,
+    scale_log2: float,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Fold a single key ``[D]`` and value (the step's new token) into the running state, rounding the
+    probability where ``_softmax_step`` does."""
+    score = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * scale_log2
+    new_max = tl.maximum(row_max, score)
+    alpha = tl.exp2(row_max - new_max)
+    p = tl.exp2(score - new_max)
+    row_sum = row_sum * alpha + p
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+    return new_max, row_sum, acc
+
+
+@triton.jit
+def _load_rotated(
+    ptrs: tl.tensor,
+    dims: tl.tensor,
+    mask: tl.tensor,
+    cos: tl.tensor,
+    signed_sin: tl.tensor,
+    head_dim: tl.constexpr,
+    rotate: tl.constexpr,
+) -> tl.tensor:
+    """Rows at ``ptrs + dims`` (``dims`` spanning the head), rotated (rotate-half) by ``cos`` and
+    ``signed_sin`` when ``rotate``: each product rounded to the activation dtype before the sum, as
+    ``kernels/rotary.py`` and the PyTorch layer round."""
+    x = tl.load(ptrs + dims, mask=mask, other=0.0)
+    if rotate:
+        partner = tl.load(ptrs + (dims + head_dim // 2) % head_dim, mask=mask, other=0.0)
+        dtype = x.dtype
+        x = (
+            (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+            + (partner.to(tl.float32) * signed_sin).to(dtype).to(tl.float32)
+        ).to(dtype)
+    return x
+
+
 @triton.jit(do_not_specialize=["window", "min_partition", "num_splits"])
 def _decode_kernel(
     query_ptr: tl.tensor,
@@ -203,6 +285,11 @@ def _decode_kernel(
     part_max_ptr: tl.tensor,
     part_sum_ptr: tl.tensor,
     arrivals_ptr: tl.tensor,
+    new_key_ptr: tl.tensor,
+    new_value_ptr: tl.tensor,
+    slot_mapping_ptr: tl.tensor,
+    positions_ptr: tl.tensor,
+    cos_sin_ptr: tl.tensor,
     scale_log2: float,
     window: int,
     min_partition: int,
@@ -210,6 +297,10 @@ def _decode_kernel(
     num_splits: int,
     query_token_stride: int,
     query_head_stride: int,
+    new_key_token_stride: int,
+    new_value_token_stride: int,
+    new_head_stride: int,
+    cos_sin_stride: int,
     out_token_stride: int,
     out_head_stride: int,
     block_table_stride: int,
@@ -220,10 +311,14 @@ def _decode_kernel(
     group_block: tl.constexpr,
     head_dim: tl.constexpr,
     block_n: tl.constexpr,
+    prefetch_n: tl.constexpr,  # keys of the first tile (loaded before the wait), a multiple of block_n
     block_size: tl.constexpr,
     has_window: tl.constexpr,
     split: tl.constexpr,
+    write_new: tl.constexpr,  # the new token's K/V come in new_key/new_value and are stored here
+    rotate: tl.constexpr,  # q and the new key still need their rotary embedding (needs write_new)
     precision: tl.constexpr,
+    pdl: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -236,15 +331,45 @@ def _decode_kernel(
         return
     hi = tl.minimum(lo + partition_len, seq_len)
 
+    # Keys before the new token were written by earlier steps, which no kernel of this step touches: the
+    # first tile of them is loaded before waiting for the kernels ahead (with PDL, while they finish).
+    key_base = key_pool_ptr + kv_head * pool_head_stride
+    value_base = value_pool_ptr + kv_head * pool_head_stride
+    table = block_tables_ptr + seq * block_table_stride
+    dims = tl.arange(0, head_dim)
+    cached_hi = tl.minimum(hi, seq_len - 1)
+    first = lo + tl.arange(0, prefetch_n)
+    first_in_range = first < tl.minimum(lo + prefetch_n, cached_hi)
+    first_offsets = _kv_offsets(
+        table, 0, first, first_in_range, pool_block_stride, pool_slot_stride, True, block_size
+    )
+    first_k = _load_kv_tile(key_base, first_offsets, dims, first_in_range, True)
+    first_v = _load_kv_tile(value_base, first_offsets, dims, first_in_range, True)
+    cos = tl.zeros([head_dim], tl.float32)
+    signed_sin = tl.zeros([head_dim], tl.float32)
+    if rotate:
+        position = tl.load(positions_ptr + seq).to(tl.int64)
+        angle = cos_sin_ptr + position * cos_sin_stride + dims % (head_dim // 2)
+        dtype = query_ptr.dtype.element_ty
+        cos = tl.load(angle).to(dtype).to(tl.float32)
+        signed_sin = tl.load(angle + head_dim // 2).to(dtype).to(tl.float32) * tl.where(
+            dims < head_dim // 2, -1.0, 1.0
+        )
+    wait_for_previous_kernel(pdl)  # q and the new K/V come from the kernels before this one
+
     rows = tl.arange(0, group_block)  # row r is query head kv_head * group + r
     heads = kv_head * group + rows
     row_ok = rows < group
-    dims = tl.arange(0, head_dim)
-    q_ptrs = query_ptr + seq * query_token_stride + heads[:, None] * query_head_stride + dims[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q_ptrs = query_ptr + seq * query_token_stride + heads[:, None] * query_head_stride
+    q = _load_rotated(
+        q_ptrs, dims[None, :], row_ok[:, None], cos[None, :], signed_sin[None, :], head_dim, rotate
+    )
     row_max = tl.full([group_block], float("-inf"), tl.float32)
     row_sum = tl.zeros([group_block], tl.float32)
     acc = tl.zeros([group_block, head_dim], tl.float32)
+    row_max, row_sum, acc = _attend_tile(
+        q, row_max, row_sum, acc, first_k, first_v, first_in_range, scale_log2, precision
+    )
     query_pos = tl.zeros([group_block], tl.int32) + seq_len - 1
     row_max, row_sum, acc = _attend_range(
         q,
@@ -252,12 +377,12 @@ def _decode_kernel(
         row_sum,
         acc,
         query_pos,
-        key_pool_ptr + kv_head * pool_head_stride,
-        value_pool_ptr + kv_head * pool_head_stride,
-        block_tables_ptr + seq * block_table_stride,
+        key_base,
+        value_base,
+        table,
         0,
-        lo,
-        hi,
+        lo + prefetch_n,
+        cached_hi,
         scale_log2,
         window,
         pool_block_stride,
@@ -270,6 +395,25 @@ def _decode_kernel(
         True,
         precision,
     )
+    if hi == seq_len:  # this partition holds the new token
+        new_k, new_v = _new_token_kv(
+            new_key_ptr + seq * new_key_token_stride + kv_head * new_head_stride,
+            new_value_ptr + seq * new_value_token_stride + kv_head * new_head_stride,
+            key_base,
+            value_base,
+            table,
+            slot_mapping_ptr + seq,
+            seq_len - 1,
+            dims,
+            cos,
+            signed_sin,
+            pool_block_stride,
+            pool_slot_stride,
+            block_size,
+            write_new,
+            rotate,
+        )
+        row_max, row_sum, acc = _attend_one_key(q, row_max, row_sum, acc, new_k, new_v, scale_log2)
     out = acc / row_sum[:, None]  # every partition that gets here holds at least one visible key
     used = tl.cdiv(context_len, partition_len)
     out_ptrs = out_ptr + seq * out_token_stride + heads[:, None] * out_head_stride + dims[None, :]
@@ -294,6 +438,43 @@ def _decode_kernel(
 
 
 @triton.jit
+def _new_token_kv(
+    new_key_ptrs: tl.tensor,
+    new_value_ptrs: tl.tensor,
+    key_base: tl.tensor,
+    value_base: tl.tensor,
+    table: tl.tensor,
+    slot_ptr: tl.tensor,
+    position: tl.tensor,
+    dims: tl.tensor,
+    cos: tl.tensor,
+    signed_sin: tl.tensor,
+    pool_block_stride: int,
+    pool_slot_stride: int,
+    block_size: tl.constexpr,
+    write_new: tl.constexpr,
+    rotate: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
+    """The new token's key and value for one KV head: with ``write_new`` from the step's K/V (the key
+    rotated when ``rotate``), stored into the pool at the token's slot (skipped for slot -1, a padding
+    row); else read back from the pool, where the KV-write kernel put them."""
+    if write_new:
+        k = _load_rotated(new_key_ptrs, dims, dims < dims.shape[0], cos, signed_sin, dims.shape[0], rotate)
+        k = k.to(key_base.dtype.element_ty)
+        v = tl.load(new_value_ptrs + dims).to(value_base.dtype.element_ty)
+        slot = tl.load(slot_ptr).to(tl.int64)
+        offset = (slot // block_size) * pool_block_stride + (slot % block_size) * pool_slot_stride + dims
+        tl.store(key_base + offset, k, mask=(dims * 0 + slot) >= 0)
+        tl.store(value_base + offset, v, mask=(dims * 0 + slot) >= 0)
+    else:
+        block = tl.load(table + position // block_size).to(tl.int64)
+        offset = block * pool_block_stride + (position % block_size) * pool_slot_stride + dims
+        k = tl.load(key_base + offset)
+        v = tl.load(value_base + offset)
+    return k, v
+
+
+@triton.jit
 def _merge_partitions(
     part_out_ptr: tl.tensor,
     part_max_ptr: tl.tensor,
@@ -303,25 +484,30 @@ def _merge_partitions(
     used: tl.tensor,
     dims: tl.tensor,
 ) -> tl.tensor:
-    """Partition ``j``'s output was normalized by its own sum: reweight by ``sum_j * 2^(max_j - max)``."""
+    """Partition ``j``'s output was normalized by its own sum: reweight by ``sum_j * 2^(max_j - max)``.
+    Partitions are read ``MERGE_CHUNK`` at a time, so a short merge is one round of loads."""
     row_max = tl.full(parts.shape, float("-inf"), tl.float32)
     row_sum = tl.zeros(parts.shape, tl.float32)
     acc = tl.zeros([parts.shape[0], dims.shape[0]], tl.float32)
-    for partition in range(0, used):
+    for first in range(0, used, MERGE_CHUNK):
+        chunk = first + tl.arange(0, MERGE_CHUNK)
+        index = parts[:, None] + chunk[None, :]  # [rows, chunk]
+        valid = row_ok[:, None] & (chunk < used)[None, :]
         # .cg: read from L2, where the other programs' stores are, not a stale L1 line.
-        part_max = tl.load(part_max_ptr + parts + partition, mask=row_ok, other=0.0, cache_modifier=".cg")
-        part_sum = tl.load(part_sum_ptr + parts + partition, mask=row_ok, other=0.0, cache_modifier=".cg")
+        part_max = tl.load(part_max_ptr + index, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        part_sum = tl.load(part_sum_ptr + index, mask=valid, other=0.0, cache_modifier=".cg")
         part_out = tl.load(
-            part_out_ptr + (parts + partition)[:, None] * dims.shape[0] + dims[None, :],
-            mask=row_ok[:, None],
+            part_out_ptr + (index * dims.shape[0])[:, :, None] + dims[None, None, :],
+            mask=valid[:, :, None],
             other=0.0,
             cache_modifier=".cg",
         )
-        new_max = tl.maximum(row_max, part_max)
-        alpha = tl.exp2(row_max - new_max)
-        weight = tl.exp2(part_max - new_max) * part_sum
-        row_sum = row_sum * alpha + weight
-        acc = acc * alpha[:, None] + part_out * weight[:, None]
+        new_max = tl.maximum(row_max, tl.max(part_max, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # masked-off rows (past the group)
+        alpha = tl.exp2(row_max - safe_max)
+        weight = tl.exp2(part_max - safe_max[:, None]) * part_sum
+        row_sum = row_sum * alpha + tl.sum(weight, 1)
+        acc = acc * alpha[:, None] + tl.sum(part_out * weight[:, :, None], 1)
         row_max = new_max
     return acc / row_sum[:, None]
 
@@ -338,6 +524,9 @@ def paged_decode_attention(
     partition_size: int | None = None,
     config: DecodeConfig | None = None,
     split: DecodeSplit | None = None,
+    pdl: bool = False,
+    new_tokens: NewTokens | None = None,
+    rotation: Rotation | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``query`` ``[B, Hq, D]`` → ``[B, Hq, D]``.
 
@@ -345,9 +534,20 @@ def paged_decode_attention(
     so a CUDA graph captured with ``max_seq_len`` = the longest context it will see (``max_model_len``)
     replays correctly for any shorter one. ``partition_size`` fixes the keys per split-K program and
     ``split`` the whole split (tuning and tests); by default :func:`plan_decode_split` chooses.
+
+    Without ``new_tokens`` the pool already holds every key, the new token's too (``write_kv`` ran).
+    With it, the kernel stores the new token's K/V itself and folds them in from registers; with
+    ``rotation`` as well, ``query`` and the new key arrive before their rotary embedding and the kernel
+    applies it (the query is not written back). Both save a launch per layer.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = _check_pools(query, key_pool, value_pool)
+    if rotation is not None and new_tokens is None:
+        raise ValueError("a fused rotation needs new_tokens: the kernel rotates the key it writes")
+    if new_tokens is not None:
+        _check_new_tokens(new_tokens, num_seqs, num_kv_heads, head_dim)
+    if rotation is not None:
+        _check_rotation(rotation, num_seqs, head_dim)
     config = config or default_decode_config(head_dim, query.dtype)
     max_context = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
     if split is None:
@@ -358,6 +558,8 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     partials = _decode_partials(num_seqs, num_kv_heads, num_heads, split.num_splits, head_dim, query.device)
+    new_key, new_value, slot_mapping = new_tokens if new_tokens is not None else (query, query, seq_lens)
+    positions, cos_sin = rotation if rotation is not None else (seq_lens, query)
     _decode_kernel[(num_seqs, num_kv_heads, split.num_splits)](
         query,
         key_pool,
@@ -366,6 +568,11 @@ def paged_decode_attention(
         seq_lens,
         out,
         *partials,
+        new_key,
+        new_value,
+        slot_mapping,
+        positions,
+        cos_sin,
         scale * LOG2E,
         sliding_window or 0,
         split.min_partition,
@@ -373,6 +580,10 @@ def paged_decode_attention(
         split.num_splits,
         query.stride(0),
         query.stride(1),
+        new_key.stride(0),
+        new_value.stride(0),
+        new_key.stride(1),
+        cos_sin.stride(0),
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
@@ -383,14 +594,49 @@ def paged_decode_attention(
         group_block=max(MIN_DOT_ROWS, next_power_of_2(num_heads // num_kv_heads)),
         head_dim=head_dim,
         block_n=config.block_n,
+        prefetch_n=_prefetch_keys(config, head_dim, query.dtype),
         block_size=key_pool.shape[1],
         has_window=bool(sliding_window),
         split=split.num_splits > 1,
+        write_new=new_tokens is not None,
+        rotate=rotation is not None,
         precision=_dot_precision(query.dtype),
+        pdl=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(pdl),
     )
     return out
+
+
+def _check_new_tokens(new_tokens: NewTokens, num_seqs: int, num_kv_heads: int, head_dim: int) -> None:
+    key, value, slot_mapping = new_tokens
+    if key.shape != (num_seqs, num_kv_heads, head_dim) or value.shape != key.shape:
+        raise ValueError(f"new K/V {list(key.shape)} / {list(value.shape)} do not fit {num_seqs} decode rows")
+    if value.stride()[1:] != key.stride()[1:] or slot_mapping.shape != (num_seqs,):
+        raise ValueError("the new key and value need the same head layout and one slot per row")
+    for name, tensor in (("new key", key), ("new value", value)):
+        require_unit_last_stride(name, tensor)
+
+
+def _prefetch_keys(config: DecodeConfig, head_dim: int, dtype: torch.dtype) -> int:
+    """Keys in a decode program's first tile: as many whole key tiles as fit ``PREFETCH_BYTES`` of
+    16-bit keys, no more than ``DECODE_MIN_PARTITION`` (a short partition is then one tile, loaded
+    before the wait); one tile in float32, whose dots need small tiles."""
+    if dtype == torch.float32:
+        return config.block_n
+    keys = min(DECODE_MIN_PARTITION, PREFETCH_BYTES // (2 * head_dim))
+    return max(config.block_n, keys // config.block_n * config.block_n)
+
+
+def _check_rotation(rotation: Rotation, num_seqs: int, head_dim: int) -> None:
+    positions, cos_sin_cache = rotation
+    if cos_sin_cache.shape[-1] != head_dim or positions.shape != (num_seqs,):
+        raise ValueError(
+            f"rotation table {list(cos_sin_cache.shape)} and positions {list(positions.shape)} "
+            f"do not fit {num_seqs} queries of head dim {head_dim}"
+        )
+    require_unit_last_stride("cos_sin_cache", cos_sin_cache)
 
 
 def plan_decode_split(

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
+from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 
 MAX_ROWS_PER_PROGRAM = 16
 ELEMENTS_PER_PROGRAM = 2048  # narrow rows (per-head norms) are batched up to about this many elements
@@ -30,7 +31,9 @@ def _rms_norm_kernel(
     unit_offset: tl.constexpr,
     rows_per_program: tl.constexpr,
     block: tl.constexpr,
+    pdl: tl.constexpr,
 ) -> None:
+    wait_for_previous_kernel(pdl)
     rows = (tl.program_id(0) * rows_per_program + tl.arange(0, rows_per_program)).to(tl.int64)
     cols = tl.arange(0, block)
     col_ok = cols < hidden
@@ -54,16 +57,23 @@ def _rms_norm_kernel(
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False, pdl: bool = False
+) -> torch.Tensor:
     """Normalize the last dimension of ``x``; returns a new tensor shaped like ``x``."""
     rows = _as_rows(x)
     out = torch.empty(rows.shape, dtype=_out_dtype(x, weight, unit_offset), device=x.device)
-    _launch(rows, None, weight, out, eps, unit_offset)
+    _launch(rows, None, weight, out, eps, unit_offset, pdl)
     return out.view(x.shape)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool = False,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual += x`` in place, then normalize it: returns ``(normed, residual)``.
 
@@ -76,7 +86,7 @@ def add_rms_norm(
     residual_rows = residual.view(-1, residual.shape[-1])
     require_unit_last_stride("residual", residual_rows)
     out = torch.empty(rows.shape, dtype=_out_dtype(x, weight, unit_offset), device=x.device)
-    _launch(rows, residual_rows, weight, out, eps, unit_offset)
+    _launch(rows, residual_rows, weight, out, eps, unit_offset, pdl)
     return out.view(x.shape), residual
 
 
@@ -97,6 +107,7 @@ def _launch(
     out: torch.Tensor,
     eps: float,
     unit_offset: bool,
+    pdl: bool,
 ) -> None:
     num_rows, hidden = rows.shape
     if weight.shape != (hidden,):
@@ -121,5 +132,7 @@ def _launch(
         unit_offset=unit_offset,
         rows_per_program=rows_per_program,
         block=block,
+        pdl=pdl,
         num_warps=min(8, max(1, rows_per_program * block // 512)),
+        **launch_options(pdl),
     )

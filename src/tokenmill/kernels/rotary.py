@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
+from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 
 ELEMENTS_PER_HEAD_BLOCK = 2048
 
@@ -57,6 +58,7 @@ def _rotary_kernel(
     half: tl.constexpr,
     half_block: tl.constexpr,
     head_block: tl.constexpr,
+    pdl: tl.constexpr,
 ) -> None:
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -66,6 +68,7 @@ def _rotary_kernel(
     # Cast to the activation dtype first, as the reference does.
     cos = tl.load(cos_ptrs, mask=dims < half, other=0.0).to(dtype).to(tl.float32)[None, :]
     sin = tl.load(cos_ptrs + half, mask=dims < half, other=0.0).to(dtype).to(tl.float32)[None, :]
+    wait_for_previous_kernel(pdl)  # positions and the cos/sin table are the step's inputs: q/k are not
     query_base = query_ptr + token * query_token_stride
     _rotate_heads(query_base, query_head_stride, num_query_heads, cos, sin, half, half_block, head_block)
     key_base = key_ptr + token * key_token_stride
@@ -73,7 +76,11 @@ def _rotary_kernel(
 
 
 def apply_rotary_(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    pdl: bool = False,
 ) -> None:
     """Rotate ``query`` ``[T, Hq, D]`` and ``key`` ``[T, Hkv, D]`` in place by ``positions`` ``[T]``.
 
@@ -110,5 +117,7 @@ def apply_rotary_(
         half=head_dim // 2,
         half_block=half_block,
         head_block=max(1, head_block),
+        pdl=pdl,
         num_warps=4,
+        **launch_options(pdl),
     )

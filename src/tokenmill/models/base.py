@@ -48,12 +48,15 @@ class CausalLM(nn.Module, ABC):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.use_triton = options.rms_norm
+                module.pdl = options.pdl
             elif isinstance(module, RotaryEmbedding):
                 module.use_triton = options.rotary
+                module.pdl = options.pdl
             elif isinstance(module, GatedActivation):
                 module.use_triton = options.activation
             elif isinstance(module, LinearBase):
                 module.use_gemv = options.gemv
+                module.pdl = options.pdl
         self.kernel_options = options
 
     @classmethod

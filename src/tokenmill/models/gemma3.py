@@ -100,8 +100,7 @@ class Gemma3Attention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(q.shape[0], -1, head_dim))
         k = self.k_norm(k.reshape(k.shape[0], -1, head_dim))
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, self.rotary_emb.pending(positions, head_dim)))
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -113,9 +113,7 @@ class LlamaAttention(nn.Module):
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """The rest of the block once q, k and v are projected (fused ``[T, q | k | v]``)."""
         q, k, v = self.split_qkv(qkv)
-        head_dim = self.attn.spec.head_dim
-        q, k = self.rotary_emb(positions, q.view(q.shape[0], -1, head_dim), k.view(k.shape[0], -1, head_dim))
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, self.rotary_emb.pending(positions, self.attn.spec.head_dim)))
 
 
 class GatedMLP(nn.Module):

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from tokenmill.attention import AttentionLayer, attention
+from tokenmill.attention import AttentionLayer, PendingRotary, attention
 
 
 class Attention(nn.Module):
@@ -13,9 +13,13 @@ class Attention(nn.Module):
         super().__init__()
         self.spec = spec
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rotary: PendingRotary | None = None
+    ) -> torch.Tensor:
+        """Attention of the projected q/k/v; ``rotary``: the rotation q and k still need (the backend
+        applies it, or fuses it into its kernel)."""
         spec = self.spec
         q = query.view(-1, spec.num_heads, spec.head_dim)
         k = key.view(-1, spec.num_kv_heads, spec.head_dim)
         v = value.view(-1, spec.num_kv_heads, spec.head_dim)
-        return attention(spec, q, k, v).reshape(-1, spec.num_heads * spec.head_dim)
+        return attention(spec, q, k, v, rotary).reshape(-1, spec.num_heads * spec.head_dim)

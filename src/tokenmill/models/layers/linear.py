@@ -55,6 +55,7 @@ class LinearBase(nn.Module):
             self.bias = _parameter(out_local)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.use_gemv: bool = False
+        self.pdl: bool = False  # launch the GEMV programmatically dependent (tokenmill.kernels.launch)
         self.packed_weight: torch.Tensor | None = None  # oneDNN copy of weight (cpu_linear), when prepacked
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
@@ -68,7 +69,7 @@ class LinearBase(nn.Module):
         if self.gemv_fits(x):
             from tokenmill.kernels.gemv import gated_gemv
 
-            return self.reduce(gated_gemv(x, self.weight, activation.kind, self.local_bias()))
+            return self.reduce(gated_gemv(x, self.weight, activation.kind, self.local_bias(), pdl=self.pdl))
         return self.forward(activation(x))
 
     def gemv_fits(self, x: torch.Tensor) -> bool:
@@ -87,7 +88,7 @@ class LinearBase(nn.Module):
         if self.gemv_fits(x):
             from tokenmill.kernels.gemv import gemv
 
-            return gemv(x, self.weight, self.local_bias())
+            return gemv(x, self.weight, self.local_bias(), pdl=self.pdl)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.local_bias())
         return F.linear(x, self.weight, self.local_bias())
@@ -188,7 +189,14 @@ def norm_and_project(
         from tokenmill.kernels.gemv import rms_norm_gemv
 
         out, residual = rms_norm_gemv(
-            hidden, linear.weight, norm.weight, norm.eps, residual, norm.unit_offset, linear.local_bias()
+            hidden,
+            linear.weight,
+            norm.weight,
+            norm.eps,
+            residual,
+            norm.unit_offset,
+            linear.local_bias(),
+            pdl=linear.pdl,
         )
         return linear.reduce(out), residual
     if residual is None:

@@ -18,6 +18,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.use_triton = False
+        self.pdl = False  # launch the kernel programmatically dependent (tokenmill.kernels.launch)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -42,8 +43,8 @@ class RMSNorm(nn.Module):
         from tokenmill.kernels.rmsnorm import add_rms_norm, rms_norm
 
         if residual is None:
-            return rms_norm(x, self.weight, self.eps, self.unit_offset)
-        return add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+            return rms_norm(x, self.weight, self.eps, self.unit_offset, self.pdl)
+        return add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset, self.pdl)
 
 
 class LayerNorm(nn.Module):

@@ -4,11 +4,13 @@ With ``use_triton`` set (``CausalLM.use_kernels``), ``tokenmill.kernels.rotary``
 in one launch, rounding where the PyTorch code below does.
 """
 
+import functools
 import math
 
 import torch
 from torch import nn
 
+from tokenmill.attention import PendingRotary
 from tokenmill.models.config import RopeConfig
 
 
@@ -47,6 +49,7 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin_cache: torch.Tensor
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
         self.use_triton = False
+        self.pdl = False  # launch the kernel programmatically dependent (tokenmill.kernels.launch)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -55,10 +58,16 @@ class RotaryEmbedding(nn.Module):
         if self.use_triton and self.rotary_dim == query.shape[-1]:
             from tokenmill.kernels.rotary import apply_rotary_
 
-            apply_rotary_(positions, query, key, self.cos_sin_cache)
+            apply_rotary_(positions, query, key, self.cos_sin_cache, self.pdl)
             return query, key
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def pending(self, positions: torch.Tensor, head_dim: int) -> PendingRotary:
+        """This rotation by ``positions``, for the attention backend to apply or fuse (heads of
+        ``head_dim``: a kernel can take the table only when it rotates the whole head)."""
+        table = self.cos_sin_cache if self.rotary_dim == head_dim else None
+        return PendingRotary(positions, functools.partial(self.forward, positions), table)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
