@@ -15,6 +15,10 @@ once for the whole group, and keep a running (max, sum) softmax in base 2 (the s
   splits is fixed on the host from the batch size and a bound on the context (:func:`plan_decode_split`),
   the partition length on the device from each sequence's own length, so the launch is the same for
   every step of a CUDA graph while short contexts still spread over the splits.
+  Keys of earlier steps are in the pool before the step starts, so each program loads its first tile of
+  them before waiting for the kernels ahead (``kernels/launch.py``); the new token's key comes last. With
+  ``new_tokens`` the kernel also stores the new K/V (no KV-write launch), and with ``rotation`` applies
+  the rotary embedding to q and the new key on the way (no rotary launch).
 * Prefill / mixed batches: each program takes a tile of consecutive query tokens of one sequence
   (times the group's heads as rows); key tiles that every row sees skip the mask.
 """
@@ -37,7 +41,7 @@ DECODE_PROGRAMS_PER_SM = 4
 DECODE_MIN_PARTITION = 128  # ...into partitions of the bound no shorter than this (keys)...
 DECODE_MAX_SPLITS = 64  # ...and no more than this many
 MERGE_CHUNK = tl.constexpr(8)  # partitions a split merge reads per round of loads
-PREFETCH_BYTES = 16384  # keys of the first tile a decode program loads before it waits, in K bytes
+PREFETCH_BYTES = 16384  # bytes of keys in a decode program's first tile, loaded before it waits
 
 
 class PrefillConfig(NamedTuple):
