@@ -398,7 +398,7 @@ def check_against_reference(
         assert torch.equal(cache.value, expected_cache.value)
         if rotary is None:
             assert torch.equal(cache.key, expected_cache.key)
-        else:  # a rotation in the kernel may fuse a product into the sum on the GPU: one rounding fewer
+        else:  # on the GPU the kernel's rotation may round once less (a product fused into the sum)
             torch.testing.assert_close(cache.key, expected_cache.key, **ROTATED_KEY_TOLERANCE[dtype])
         assert_attention_close(out, expected, exact, dtype)
 

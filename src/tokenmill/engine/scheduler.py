@@ -236,11 +236,12 @@ class Scheduler:
         running request and the newcomer growing one token a step to its ``max_tokens`` and freeing its
         blocks when done. Keeping that many free means no request ever needs to be preempted."""
         assert self.kv_cache is not None
-        block_size = self.kv_cache.block_size
+        manager = self.kv_cache.manager
         # (tokens held now, steps until it finishes): t steps from now a request holds tokens + t slots.
         growth = [(r.num_tokens, r.max_tokens - r.num_output_tokens) for r in self.running]
         growth.append((newcomer_tokens, newcomer.max_tokens - newcomer.num_output_tokens))
-        return peak_blocks(growth, block_size) - sum(-(-tokens // block_size) for tokens, _ in growth)
+        held_now = sum(manager.blocks_for_tokens(tokens) for tokens, _ in growth)
+        return peak_blocks(growth, manager.block_size) - held_now
 
     def _reserve_new(
         self, request: Request, total_tokens: int, match: PrefixMatch | None, headroom_blocks: int = 0
