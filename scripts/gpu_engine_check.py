@@ -165,15 +165,20 @@ def check_replay(engine: LLMEngine, sizes: Sizes) -> None:
         rows = padded_batch_size(len(chunks), graphs.sizes)
         assert rows is not None and graphs.can_run(chunks)
         with torch.inference_mode():
-            replayed = graphs.run(chunks).float().clone()
-            static = graphs.forward_static(rows)[: len(chunks)].float()
+            model = engine.runner.model
+            replayed = graphs.run(chunks).logits.clone()
+            static_outputs = graphs.forward_static(rows)
+            static = (
+                static_outputs[0] if graphs.computes_logits(rows) else model.compute_logits(static_outputs[0])
+            )
+            static = static[: len(chunks)]
             inputs = engine.runner.prepare(chunks)
             context = ForwardContext(inputs.metadata, engine.runner.backend, engine.kv_cache.layers)
             with forward_context(context):
-                eager = engine.runner.model(inputs.input_ids, inputs.positions).float()
+                eager = model.compute_logits(model(inputs.input_ids, inputs.positions))
             torch_context = ForwardContext(inputs.metadata, TorchAttentionBackend(), engine.kv_cache.layers)
             with forward_context(torch_context):
-                reference = engine.runner.model(inputs.input_ids, inputs.positions).float()
+                reference = model.compute_logits(model(inputs.input_ids, inputs.positions))
         exact = torch.equal(replayed, static)
         rel = float((replayed - eager).norm() / eager.norm())
         rel_torch = float((eager - reference).norm() / reference.norm())
@@ -237,12 +242,17 @@ def time_replay(engine: LLMEngine) -> None:
     assert graphs is not None
     assert engine.kv_cache is not None
     graphs.inputs.write([], engine.kv_cache.manager, 1)  # a padding row: writes no live KV
-    graph, hidden = graphs.graphs[1], graphs.outputs[1]
+    graph, outputs = graphs.graphs[1], graphs.outputs[1]
     model = engine.runner.model
-    for label, body in (
-        ("replay", graph.replay),
-        ("replay + logits + argmax", lambda: (graph.replay(), model.compute_logits(hidden).argmax(-1))),
-    ):
+    steps = [("replay", graph.replay)]
+    if not graphs.computes_logits(1):  # the replay computes only the hidden states
+        steps.append(
+            (
+                "replay + logits + argmax",
+                lambda: (graph.replay(), model.compute_logits(outputs[0]).argmax(-1)),
+            )
+        )
+    for label, body in steps:
         for _ in range(10):
             body()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

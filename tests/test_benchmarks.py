@@ -130,14 +130,15 @@ def test_ladder_reports_every_rung(tiny_llama_folder: Path, tmp_path: Path, caps
 
 def test_gpu_rungs_each_add_one_fast_path_toggle_to_the_paged_rung() -> None:
     setup = ladder.LadderSetup(batch_size=8, num_requests=32, max_model_len=192, block_size=16)
-    base = EngineConfig(**dict.fromkeys(FUSED_KERNEL_TOGGLES, False))
+    base = EngineConfig(cuda_graph_logits=False, **dict.fromkeys(FUSED_KERNEL_TOGGLES, False))
     configs = {rung.name: config for rung, config in ladder.rung_configs(base, setup, ladder.RUNGS)}
     paged, triton = configs["paged KV"], configs["Triton attention"]
     assert (paged.attention_backend, triton.attention_backend) == ("torch", "triton")
     assert not any(getattr(triton, name) for name in FUSED_KERNEL_TOGGLES)
     assert all(getattr(configs["fused kernels"], name) for name in FUSED_KERNEL_TOGGLES)
     assert not configs["fused kernels"].cuda_graphs and configs["CUDA graphs"].cuda_graphs
-    assert configs["overlapped decode"].overlap_decode and not configs["CUDA graphs"].overlap_decode
+    assert configs["logits in graphs"].cuda_graph_logits and not configs["CUDA graphs"].cuda_graph_logits
+    assert configs["overlapped decode"].overlap_decode and not configs["logits in graphs"].overlap_decode
 
 
 def test_paged_rung_keeps_the_contiguous_kv_budget() -> None:

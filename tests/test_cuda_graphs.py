@@ -23,6 +23,7 @@ from tokenmill.cache.kv_pool import (
     kv_bytes_per_block,
     num_blocks_for_device_memory,
 )
+from tokenmill.engine import cuda_graphs as cuda_graphs_module
 from tokenmill.engine import kv_cache as kv_cache_module
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.cuda_graphs import (
@@ -148,7 +149,11 @@ def test_static_decode_inputs_equal_the_eager_preparation(tiny) -> None:  # type
 
 
 def _with_static_decode(
-    engine: LLMEngine, sizes: tuple[int, ...], overlap: bool = False, waiting: bool | None = None
+    engine: LLMEngine,
+    sizes: tuple[int, ...],
+    overlap: bool = False,
+    waiting: bool | None = None,
+    logits_in_graph: bool = False,
 ) -> list[int]:
     """Route the engine's decode steps through a graph runner that runs eagerly (no capture on CPU);
     returns a list that records the batch size of each step it ran. ``waiting`` overrides the hint
@@ -157,7 +162,7 @@ def _with_static_decode(
     hint = (lambda: bool(engine.scheduler.waiting)) if waiting is None else (lambda: waiting)
     runner = DecodeGraphRunner(
         engine.runner.model, engine.runner.backend, kv.layers, kv.manager, sizes, engine.max_model_len, CPU,
-        overlap, hint,
+        overlap, hint, logits_in_graph, engine.runner.sampler.argmax,
     )  # fmt: skip
     engine.runner.decode_graphs = runner
     return _count_runs(runner)
@@ -193,12 +198,22 @@ def _check_against_reference(tiny, engine: LLMEngine, calls: list[int]) -> None:
     assert engine.kv_cache.manager.num_free_blocks == engine.kv_cache.manager.num_blocks
 
 
+@pytest.mark.parametrize("logits_in_graph", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_decode_through_static_buffers_matches_the_reference_loop(tiny, overlap: bool) -> None:  # type: ignore[no-untyped-def]
+def test_decode_through_static_buffers_matches_the_reference_loop(
+    tiny, overlap: bool, logits_in_graph: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """With ``logits_in_graph``, steps of up to 2 rows compute their logits and argmax in the graph, the
+    padded steps of 4 after it."""
+    monkeypatch.setattr(cuda_graphs_module, "GRAPH_LOGITS_MAX_ROWS", 2)
     engine = engine_for(tiny, block_size=4, num_kv_blocks=64, max_model_len=64)
-    calls = _with_static_decode(engine, (1, 2, 4), overlap)
-    _check_against_reference(tiny, engine, calls)
+    calls = _with_static_decode(engine, (1, 2, 4), overlap, logits_in_graph=logits_in_graph)
     graphs = engine.runner.decode_graphs
+    argmax_rows: list[int] = []
+    argmax = graphs.argmax
+    graphs.argmax = lambda logits: argmax_rows.append(len(logits)) or argmax(logits)
+    _check_against_reference(tiny, engine, calls)
+    assert set(argmax_rows) == ({1, 2} if logits_in_graph else set())
     if overlap:  # next steps were started and used, but not where a sequence crosses a block or ends
         assert 0 < graphs.num_reused <= graphs.num_started < len(calls)
     else:
@@ -400,23 +415,26 @@ class FakeGpuMemory:
             monkeypatch.setattr(torch.cuda, name, fake)
 
 
+@pytest.mark.parametrize("graph_logits", [False, True])
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_gpu_pool_is_sized_after_profiling_the_largest_step(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, cuda_graphs: bool
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, cuda_graphs: bool, graph_logits: bool
 ) -> None:
     mib = 2**20
     fake = FakeGpuMemory(total=80 * GIB, held_by_others=GIB, weights=3 * GIB, bytes_per_token=mib)
     fake.install(monkeypatch)
     config = EngineConfig(
-        attention_backend="triton", cuda_graphs=cuda_graphs, max_num_seqs=64, max_num_batched_tokens=4096
-    )
+        attention_backend="triton", cuda_graphs=cuda_graphs, max_num_seqs=64, max_num_batched_tokens=4096,
+        cuda_graph_logits=graph_logits,
+    )  # fmt: skip
     shape = (16, 4, 2, 64, torch.bfloat16)
     with caplog.at_level(logging.INFO, logger="tokenmill.engine.kv_cache"):
         blocks = kv_cache_module._num_blocks_on_gpu(
             config, shape, 2048, torch.device("cuda"), fake.profile_forward
         )
     step = (4096, 2048, 64)  # two full-length sequences; 64 rows sampled
-    assert fake.profiled == ([(64, 1, 0)] if cuda_graphs else []) + [step]
+    graph_step = (64, 1, 16 if graph_logits else 0)  # graphs of up to 16 rows compute logits
+    assert fake.profiled == ([graph_step] if cuda_graphs else []) + [step]
     graph_reserve = 64 * mib if cuda_graphs else 0
     budget = int(0.9 * 80 * GIB) - (3 * GIB + 4096 * mib) - graph_reserve
     assert blocks == budget // kv_bytes_per_block(*shape)

@@ -222,6 +222,19 @@ def test_gemv(device: str, dtype: torch.dtype, shape: tuple[int, int, int], bias
 
 
 @pytest.mark.parametrize("shape", GEMV_SHAPES)
+def test_gemv_writes_float32_without_rounding_to_the_input_dtype(
+    device: str, dtype: torch.dtype, shape: tuple[int, int, int]
+) -> None:
+    """The LM head's path: half-precision weights, float32 logits (the float32 sum, not rounded first)."""
+    torch.manual_seed(6)
+    x, weight, _ = _projection(shape, dtype, device, bias=False)
+    out = gemv(x, weight, out_dtype=torch.float32)
+    expected = torch.nn.functional.linear(x.double(), weight.double())
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", GEMV_SHAPES)
 @pytest.mark.parametrize("unit_offset", [False, True])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_gemv(

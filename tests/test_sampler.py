@@ -204,6 +204,30 @@ def test_greedy_only_batch_builds_no_device_tensors(device: torch.device) -> Non
     assert torch.equal(Sampler()(logits, batch).token_ids, logits.argmax(dim=-1))
 
 
+def test_a_given_argmax_is_taken_only_where_nothing_edits_the_logits(device: torch.device) -> None:
+    """Decode graphs hand the sampler the logits' argmax: plain greedy rows take it as it is; a ban,
+    a bias or a penalty changes the logits, so those batches find their own argmax; sampled rows draw."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(6)).to(device)
+    given = logits.argmax(dim=-1)
+    greedy = SamplingParams(temperature=0.0)
+    assert (
+        Sampler()(logits, SamplingBatch.build([SamplingRow(greedy)] * 3, 50, device), given).token_ids
+        is given
+    )
+    banned = [SamplingRow(greedy, banned_token_ids=[int(t)]) for t in given]
+    out = Sampler()(logits, SamplingBatch.build(banned, 50, device), given).token_ids
+    assert not torch.equal(out, given) and torch.equal(
+        out, logits.scatter(1, given[:, None], -torch.inf).argmax(-1)
+    )
+    hot = torch.zeros(3, 50, device=device)
+    hot[:, 7] = 30.0  # a sampled row draws token 7 almost surely, whatever argmax it is handed
+    sampled = SamplingBatch.build([SamplingRow(SamplingParams(temperature=1.0, seed=1))] * 3, 50, device)
+    assert (
+        Sampler()(hot, sampled, torch.zeros(3, dtype=torch.int64, device=device)).token_ids.tolist()
+        == [7] * 3
+    )
+
+
 def test_fused_greedy_only_batch_is_the_argmax(fused_device: torch.device) -> None:
     """The fused argmax over several column ranges per row, ties to the lowest id like torch's."""
     logits = torch.randn(5, 5000, generator=torch.Generator().manual_seed(2)).to(fused_device)

@@ -102,6 +102,10 @@ def _programmatic_launch(config: EngineConfig, setup: LadderSetup) -> EngineConf
     return config.with_options(programmatic_launch=None)  # on where the GPU supports it (Hopper+)
 
 
+def _graph_logits(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
+    return config.with_options(cuda_graph_logits=True)
+
+
 def _overlap_decode(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
     return config.with_options(overlap_decode=True)
 
@@ -120,6 +124,12 @@ RUNGS: list[Rung] = [
         cuda_only=True,
     ),
     Rung("CUDA graphs", "cuda_graphs=True (decode steps replayed)", _cuda_graphs, cuda_only=True),
+    Rung(
+        "logits in graphs",
+        "cuda_graph_logits=True (LM head + argmax replayed)",
+        _graph_logits,
+        cuda_only=True,
+    ),
     Rung("overlapped decode", "overlap_decode=True", _overlap_decode, cuda_only=True),
     Rung(
         "programmatic launch",
@@ -390,7 +400,10 @@ def ladder_configs(
     setup = LadderSetup(args.batch_size, workload.num_requests, max_model_len, args.block_size)
     # Every fused kernel off at the start (their default is on with CUDA), so the GPU rungs add them.
     base = common.base_engine_config(args, loaded, max_model_len).with_options(
-        block_size=args.block_size, programmatic_launch=False, **dict.fromkeys(FUSED_KERNEL_TOGGLES, False)
+        block_size=args.block_size,
+        programmatic_launch=False,
+        cuda_graph_logits=False,
+        **dict.fromkeys(FUSED_KERNEL_TOGGLES, False),
     )
     wanted = {rung.name for rung in selected_rungs(args.rungs)}
     if loaded.device.type != "cuda":

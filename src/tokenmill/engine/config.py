@@ -70,7 +70,8 @@ class EngineConfig:
     fused_rotary: bool | None = None  # rotary embedding of q and k in place (one launch)
     fused_activation: bool | None = None  # SwiGLU / GeGLU activation-and-multiply (one launch)
     # One-row projections (batch-1 decode) as Triton GEMVs, with the RMSNorm (and residual
-    # add) before q/k/v and gate/up, and the gated activation before down_proj, fused into their loads.
+    # add) before q/k/v and gate/up, and the gated activation before down_proj, fused into their loads;
+    # the LM head too, writing float32 logits directly.
     fused_gemv: bool | None = None
     # Triton attention: decode steps rotate q and the new key and store the new K/V inside the decode
     # attention kernel (no rotary and KV-write launches per layer); prefill keeps the separate kernels.
@@ -83,6 +84,10 @@ class EngineConfig:
     # ignored on CPU. Batches above the largest captured size, and prefill / mixed steps, run eagerly.
     cuda_graphs: bool = False
     cuda_graph_max_batch_size: int = 256  # capture sizes 1, 2, 4, 8, 16, 24, ... up to this (<= max_num_seqs)
+    # With cuda_graphs: the decode graphs of up to 16 rows also compute the logits (the LM head) and their
+    # argmax, which a batch of greedy rows then takes as its tokens; off (and above 16 rows): the LM head
+    # and sampling run after the replay.
+    cuda_graph_logits: bool = True
     # With cuda_graphs: start each decode step's successor on the GPU (fed the new tokens on the device)
     # before the host reads and processes them; used when the next step turns out to be exactly that.
     overlap_decode: bool = False

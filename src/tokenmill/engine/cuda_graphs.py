@@ -14,7 +14,15 @@ attention metadata must not steer them by per-step host values: graphs are captu
 ``max_query_len = 1`` and ``max_seq_len = max_model_len``, which the Triton backend reads only as a
 bound (it fixes the number of split-K partitions; partitions past a sequence's end return at once).
 The torch backend reads a mask back to the host in its KV write, so it is not captured (EngineConfig
-refuses the combination). Logits and sampling run after the replay, outside the graph.
+refuses the combination).
+
+With ``logits_in_graph`` (``EngineConfig.cuda_graph_logits``) the graphs of up to
+``GRAPH_LOGITS_MAX_ROWS`` rows also compute the logits and their argmax: at batch 1 the LM head is the
+step's largest projection, and after the graph it and the kernels around it each wait for a launch from
+the host; a batch of greedy rows then takes its tokens from the graph's argmax, with no sampling kernel.
+Larger graphs leave the logits to after the replay: each graph keeps its own outputs, and ``[rows,
+vocab]`` float32 logits at every captured size would hold gigabytes. Sampling always runs outside the
+graphs (its inputs change from step to step).
 """
 
 import bisect
@@ -22,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -47,6 +55,7 @@ logger = logging.getLogger(__name__)
 SIZE_STEP = 8  # captured sizes: 1, 2, 4, then every multiple of this
 PADDING_SLOT = -1
 PADDING_SEQ_LEN = 1
+GRAPH_LOGITS_MAX_ROWS = 16  # with logits_in_graph: 16 x a 128k vocabulary x 4 bytes = 8 MiB per graph
 
 
 def cuda_graph_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -89,6 +98,14 @@ class CaptureReport:
             f"CUDA graphs: captured {len(self.sizes)} decode batch sizes {list(self.sizes)} in "
             f"{self.seconds:.2f} s; they hold {self.pool_bytes / 2**20:.1f} MiB"
         )
+
+
+class DecodeLogits(NamedTuple):
+    """A decode step's logits ``[B, vocab]`` (float32) and, when the graph computed it, their argmax
+    ``[B]``; both valid until the runner's next step."""
+
+    logits: torch.Tensor
+    argmax: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -232,6 +249,8 @@ class DecodeGraphRunner:
         device: torch.device,
         overlap: bool = False,
         requests_waiting: Callable[[], bool] = lambda: False,
+        logits_in_graph: bool = False,
+        argmax: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits.argmax(dim=-1),
     ) -> None:
         if not sizes:
             raise ValueError("no batch sizes to capture")
@@ -244,28 +263,41 @@ class DecodeGraphRunner:
         self.device = device
         self.overlap = overlap
         self.requests_waiting = requests_waiting  # True: the next step will likely admit some
+        self.logits_in_graph = logits_in_graph
+        self.argmax = argmax  # of the logits, over the vocabulary (captured with them)
         table_width = -(-max_model_len // manager.block_size)
         self.inputs = DecodeInputs(self.sizes[-1], table_width, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self._started: tuple[list[DecodeRow], torch.Tensor] | None = None  # the next step, begun
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._started: tuple[list[DecodeRow], tuple[torch.Tensor, ...]] | None = None  # the next step, begun
         self.num_started = self.num_reused = 0
 
     def can_run(self, chunks: Sequence["ScheduledChunk"]) -> bool:
         return len(chunks) <= self.sizes[-1] and is_decode_step(chunks)
 
-    def run(self, chunks: Sequence["ScheduledChunk"]) -> torch.Tensor:
-        """Hidden states ``[len(chunks), hidden]`` of a decode step (valid until the next run)."""
+    def run(self, chunks: Sequence["ScheduledChunk"]) -> DecodeLogits:
+        """The logits of a decode step's ``len(chunks)`` rows (valid until the next run)."""
         num_rows = padded_batch_size(len(chunks), self.sizes)
         if num_rows is None or not is_decode_step(chunks):
             raise ValueError(f"not a decode step of at most {self.sizes[-1]} sequences")
         started, self._started = self._started, None
         if started is not None and _same_rows(started[0], chunks):
             self.num_reused += 1
-            return started[1][: len(chunks)]
+            return self._logits(started[1], len(chunks))
         rows = [DecodeRow(chunk.request, chunk.start) for chunk in chunks]
         self.inputs.write(rows, self.manager, num_rows)
-        return self._forward(num_rows)[: len(chunks)]
+        return self._logits(self._forward(num_rows), len(chunks))
+
+    def computes_logits(self, num_rows: int) -> bool:
+        """Whether the step of ``num_rows`` rows (a captured size) computes its logits itself."""
+        return self.logits_in_graph and num_rows <= GRAPH_LOGITS_MAX_ROWS
+
+    def _logits(self, outputs: tuple[torch.Tensor, ...], count: int) -> DecodeLogits:
+        """The first ``count`` rows of a step's outputs as logits (computing them if the graph did not)."""
+        if len(outputs) == 2:
+            logits, argmax = outputs
+            return DecodeLogits(logits[:count], argmax[:count])
+        return DecodeLogits(self.model.compute_logits(outputs[0][:count]), None)
 
     def drop_started_step(self) -> None:
         """Forget a started next step: the engine runs something else first."""
@@ -303,21 +335,25 @@ class DecodeGraphRunner:
                 self.manager.allocate(seq_id, tokens[seq_id])
         return True
 
-    def _forward(self, num_rows: int) -> torch.Tensor:
+    def _forward(self, num_rows: int) -> tuple[torch.Tensor, ...]:
         graph = self.graphs.get(num_rows)
         if graph is None:
             return self.forward_static(num_rows)
         graph.replay()
         return self.outputs[num_rows]
 
-    def forward_static(self, num_rows: int) -> torch.Tensor:
-        """The model over the first ``num_rows`` rows of the static buffers: what a graph captures."""
+    def forward_static(self, num_rows: int) -> tuple[torch.Tensor, ...]:
+        """The model over the first ``num_rows`` rows of the static buffers: what a graph captures. Its
+        outputs: the logits and their argmax where :meth:`computes_logits`, else the hidden states."""
         metadata = self.inputs.metadata(num_rows, self.max_model_len)
         with forward_context(ForwardContext(metadata, self.backend, self.kv_layers)):
             hidden: torch.Tensor = self.model(
                 self.inputs.input_ids[:num_rows], self.inputs.positions[:num_rows]
             )
-        return hidden
+        if not self.computes_logits(num_rows):
+            return (hidden,)
+        logits = self.model.compute_logits(hidden)
+        return logits, self.argmax(logits)
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:

@@ -21,7 +21,7 @@ from tokenmill.cache.kv_pool import (
     read_device_memory,
 )
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.cuda_graphs import cuda_graph_sizes
+from tokenmill.engine.cuda_graphs import GRAPH_LOGITS_MAX_ROWS, cuda_graph_sizes
 from tokenmill.models import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,9 @@ class ProfilePlan:
     step_seq_len: int  # its sequences' length (the longest allowed: attention's worst case)
     step_sampled: int  # rows sampled with top-k/top-p (the sampler's sort is its largest buffer)
     graph_batch: int  # the largest decode batch captured in CUDA graphs (their own pool); 0: no graphs
+    # Rows of the largest graph that computes logits (cuda_graph_logits), profiled with the sampler's
+    # buffers too (more than the graphs' argmax needs).
+    graph_sampled: int
 
     @classmethod
     def for_config(cls, config: EngineConfig, max_model_len: int, device: torch.device) -> "ProfilePlan":
@@ -107,6 +110,9 @@ class ProfilePlan:
             step_seq_len=min(max_model_len, step_tokens),
             step_sampled=min(config.max_running, step_tokens),
             graph_batch=max(sizes, default=0),
+            graph_sampled=min(max(sizes, default=0), GRAPH_LOGITS_MAX_ROWS)
+            if config.cuda_graph_logits
+            else 0,
         )
 
 
@@ -122,7 +128,9 @@ def _num_blocks_on_gpu(
     step_peak = graph_reserve = 0
     if profile_forward is not None:
         if plan.graph_batch:  # first: the step profile below must set the allocator's peak
-            graph_reserve = _peak_bytes(device, lambda: profile_forward(plan.graph_batch, 1, 0))
+            graph_reserve = _peak_bytes(
+                device, lambda: profile_forward(plan.graph_batch, 1, plan.graph_sampled)
+            )
         step_peak = _peak_bytes(
             device, lambda: profile_forward(plan.step_tokens, plan.step_seq_len, plan.step_sampled)
         )

@@ -82,6 +82,7 @@ class LLMEngine:
             self.max_model_len,
             overlap=config.overlap_decode,
             requests_waiting=self._may_admit_next_step,
+            logits_in_graph=config.cuda_graph_logits,
         )
         self.sequences: dict[str, list[Request]] = {}
         self.texts: dict[Request, TextOutput] = {}

@@ -61,9 +61,11 @@ class ModelRunner:
         max_model_len: int,
         overlap: bool = False,
         requests_waiting: Callable[[], bool] = lambda: False,
+        logits_in_graph: bool = False,
     ) -> None:
         """Capture CUDA graphs of decode steps at ``sizes`` (nothing when empty); logs what it took.
-        ``overlap``: start each decode step's successor before reading its tokens (DecodeGraphRunner)."""
+        ``overlap``: start each decode step's successor before reading its tokens; ``logits_in_graph``:
+        capture the logits and their argmax too (DecodeGraphRunner)."""
         if not sizes:
             return
         if self.kv_cache is None:
@@ -78,6 +80,8 @@ class ModelRunner:
             self.device,
             overlap,
             requests_waiting,
+            logits_in_graph,
+            self.sampler.argmax,
         )
         logger.info(self.decode_graphs.capture().describe())
 
@@ -86,8 +90,10 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(chunks):
             result = StepResult()
-            logits = self.model.compute_logits(graphs.run(chunks))
-            self._sample(chunks, logits, result, lambda sampled: graphs.start_next_step(chunks, sampled))
+            logits, argmax = graphs.run(chunks)
+            self._sample(
+                chunks, logits, result, lambda sampled: graphs.start_next_step(chunks, sampled), argmax
+            )
             return result
         if graphs is not None:
             graphs.drop_started_step()
@@ -162,14 +168,16 @@ class ModelRunner:
         logits: torch.Tensor,
         result: StepResult,
         before_reading: Callable[[torch.Tensor], None] | None = None,
+        argmax: torch.Tensor | None = None,
     ) -> None:
         """Sample, then read the token ids back: the step's one sync. ``before_reading`` gets the ids
-        on the device first, to enqueue work that should not delay the read (logprobs read everything)."""
+        on the device first, to enqueue work that should not delay the read (logprobs read everything).
+        ``argmax``: the logits' argmax, when already computed (greedy rows may take it)."""
         rows = [
             SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.banned_token_ids())
             for r in (chunk.request for chunk in chunks)
         ]
-        out = self.sampler(logits, SamplingBatch.build(rows, self.vocab_size, self.device))
+        out = self.sampler(logits, SamplingBatch.build(rows, self.vocab_size, self.device), argmax)
         host_ids = _HostCopy(out.token_ids)
         if before_reading is not None and out.logprobs is None:
             before_reading(out.token_ids)

@@ -415,11 +415,17 @@ class Sampler:
         self.use_triton = use_triton
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, argmax: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """``argmax``: ``logits.argmax(dim=-1)`` when already computed (decode graphs compute it with the
+        logits); a batch of greedy rows without logit edits takes its tokens from it as they are."""
         logits = logits.float()
         processed = apply_penalties(logits, batch)
-        if batch.draw is None:
-            token_ids = _argmax_fused(processed) if self.use_triton else processed.argmax(dim=-1)
+        if batch.draw is None and argmax is not None and not batch.needs_logit_edits:
+            token_ids = argmax
+        elif batch.draw is None:
+            token_ids = self.argmax(processed)
         elif self.use_triton:
             token_ids = _draw_fused(processed, batch, batch.draw)
         else:
@@ -430,6 +436,14 @@ class Sampler:
         return SamplerOutput(
             token_ids, gather_logprobs(torch.log_softmax(logits, dim=-1), token_ids, num_top)
         )
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits.argmax(dim=-1)`` of float32 ``[B, V]`` logits (ties to the lowest id)."""
+        if self.use_triton:
+            from tokenmill.kernels.sampling import argmax
+
+            return argmax(logits)
+        return logits.argmax(dim=-1)
 
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> torch.Tensor:
@@ -442,12 +456,6 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> torch
     if batch.any_greedy:
         token_ids = torch.where(draw.greedy, logits.argmax(dim=-1), token_ids)
     return token_ids
-
-
-def _argmax_fused(logits: torch.Tensor) -> torch.Tensor:
-    from tokenmill.kernels.sampling import argmax
-
-    return argmax(logits)
 
 
 def _draw_fused(logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> torch.Tensor:

@@ -36,6 +36,7 @@ ADD_RMS_NORM = 2
 SILU_AND_MUL = 3
 GELU_TANH_AND_MUL = 4
 GATED_ACTIVATIONS = {"silu": SILU_AND_MUL, "gelu_tanh": GELU_TANH_AND_MUL}
+GEMV_MIN_PROGRAMS = 1024  # about 8 per SM of an H200 (132 SMs)
 
 
 class GemvConfig(NamedTuple):
@@ -46,12 +47,13 @@ class GemvConfig(NamedTuple):
 
 
 def default_gemv_config(out_features: int, in_features: int) -> GemvConfig:
-    """From an H200 sweep at Llama-3.2-1B's shapes (``tokenmill bench kernels --gemv-sweep``): long
-    contiguous row segments, few rows per program (more programs for short, narrow matrices), 8 warps on
-    long rows."""
+    """From H200 sweeps at Llama-3.2-1B's shapes (``tokenmill bench kernels --gemv-sweep``, then batch-1
+    decode in the engine with PDL): long contiguous row segments, 8 warps on long rows; as many rows
+    per program (2, 4 or 8) as still leave ``GEMV_MIN_PROGRAMS`` programs (in the engine, 8 rows for
+    gate/up and the LM head and 2 for q/k/v were each 1-4% faster than 4)."""
     if in_features >= 8192:
         return GemvConfig(4, 2048, 8, 1)
-    block_n = 2 if out_features <= 2048 else 4
+    block_n = max([2] + [rows for rows in (4, 8) if out_features // rows >= GEMV_MIN_PROGRAMS])
     return GemvConfig(block_n, min(1024, next_power_of_2(in_features)), 4, 1)
 
 
@@ -171,9 +173,11 @@ def gemv(
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     pdl: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``x W^T + b`` for ``x`` ``[1, K]`` and ``weight`` ``[N, K]``."""
-    return _launch(x, weight, bias, PLAIN, x.shape[-1], config, pdl)[0]
+    """``x W^T + b`` for ``x`` ``[1, K]`` and ``weight`` ``[N, K]``, in ``out_dtype`` (default: x's; the
+    float32 sum is rounded once, to it)."""
+    return _launch(x, weight, bias, PLAIN, x.shape[-1], config, pdl, out_dtype=out_dtype)[0]
 
 
 def rms_norm_gemv(
@@ -231,6 +235,7 @@ def _launch(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     unit_offset: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_rows = x.shape[0]
     out_features = weight.shape[0]
@@ -243,7 +248,7 @@ def _launch(
     for name, tensor in (("x", x), ("weight", weight), ("residual", residual)):
         if tensor is not None:
             require_unit_last_stride(name, tensor)
-    out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_rows, out_features, dtype=out_dtype or x.dtype, device=x.device)
     new_residual = torch.empty_like(x) if residual is not None else None
     if num_rows == 0:
         return out, new_residual

@@ -90,10 +90,16 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     return PrefillConfig(64, 32, 8, 2)
 
 
-def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+def default_decode_config(
+    head_dim: int, dtype: torch.dtype, num_seq_heads: int = 0, num_sms: int = 0
+) -> DecodeConfig:
+    """``num_seq_heads``: the launch's (sequence, KV head) pairs. While they are fewer than the ``num_sms``
+    SMs (small batches) each program has an SM to itself, and 8 warps get through its short chain of
+    loads and math sooner: +4% batch-1 decode of Llama-3.2-1B in the engine on the H200, where at batch
+    64 (4 programs per SM) the configurations with 8 warps decoded 6-7% slower."""
     if dtype == torch.float32:  # see default_prefill_config
         return DecodeConfig(32 if head_dim <= 128 else 16, 8, 1)
-    return DecodeConfig(64 if head_dim <= 128 else 32, 4, 2)
+    return DecodeConfig(64 if head_dim <= 128 else 32, 8 if num_seq_heads < num_sms else 4, 2)
 
 
 # -- kernel building blocks -----------------------------------------------------------------------------
@@ -552,7 +558,9 @@ def paged_decode_attention(
         _check_new_tokens(new_tokens, num_seqs, num_kv_heads, head_dim)
     if rotation is not None:
         _check_rotation(rotation, num_seqs, head_dim)
-    config = config or default_decode_config(head_dim, query.dtype)
+    config = config or default_decode_config(
+        head_dim, query.dtype, num_seqs * num_kv_heads, sm_count(query.device)
+    )
     max_context = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
     if split is None:
         split = plan_decode_split(

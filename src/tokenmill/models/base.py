@@ -11,6 +11,7 @@ from torch import nn
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.layers.activation import GatedActivation
+from tokenmill.models.layers.embedding import ParallelLMHead
 from tokenmill.models.layers.linear import LinearBase, ShardId, weight_loader_of
 from tokenmill.models.layers.norm import RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding
@@ -54,7 +55,7 @@ class CausalLM(nn.Module, ABC):
                 module.pdl = options.pdl
             elif isinstance(module, GatedActivation):
                 module.use_triton = options.activation
-            elif isinstance(module, LinearBase):
+            elif isinstance(module, LinearBase | ParallelLMHead):
                 module.use_gemv = options.gemv
                 module.pdl = options.pdl
         self.kernel_options = options

@@ -6,7 +6,7 @@ from torch import nn
 
 from tokenmill.distributed import all_gather_last_dim, all_reduce_sum, divide, tp_rank, tp_world_size
 from tokenmill.models.layers.cpu_linear import packed_linear
-from tokenmill.models.layers.linear import ShardId
+from tokenmill.models.layers.linear import ShardId, gemv_fits
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,14 +36,23 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to float32 logits over the full vocabulary."""
+    """Projects hidden states to float32 logits over the full vocabulary.
+
+    With ``use_gemv`` (``CausalLM.use_kernels``) a single row goes through the Triton GEMV, which writes
+    float32 logits directly (no separate cast of the largest activation of the step)."""
 
     def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__(vocab_size, dim)
         self.packed_weight: torch.Tensor | None = None  # oneDNN copy of weight (cpu_linear), when prepacked
+        self.use_gemv: bool = False
+        self.pdl: bool = False  # launch the GEMV programmatically dependent (tokenmill.kernels.launch)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
+        if self.use_gemv and gemv_fits(hidden, self.weight):
+            from tokenmill.kernels.gemv import gemv
+
+            logits = gemv(hidden, self.weight, pdl=self.pdl, out_dtype=torch.float32)
+        elif self.packed_weight is not None:
             logits = packed_linear(hidden, self.packed_weight, None)
         else:
             logits = F.linear(hidden, self.weight)

@@ -25,6 +25,11 @@ from tokenmill.models.layers.norm import RMSNorm
 ShardId = str | int | None
 
 
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Triton GEMV takes ``x @ weight.T``: at most ``GEMV_MAX_ROWS`` rows, the weight's dtype."""
+    return x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype
+
+
 def check_shape(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {tuple(param.shape)}")
@@ -74,7 +79,7 @@ class LinearBase(nn.Module):
 
     def gemv_fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through the Triton GEMV: few rows, and the weight's dtype."""
-        return self.use_gemv and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == self.weight.dtype
+        return self.use_gemv and gemv_fits(x, self.weight)
 
     def local_bias(self) -> torch.Tensor | None:
         """The bias this rank adds (row-parallel layers add it on one rank only)."""
