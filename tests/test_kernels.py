@@ -508,6 +508,22 @@ def test_decode_default_split_on_a_long_context(device: str, dtype: torch.dtype,
     check_against_reference(batch, _layer(4, 1, 64, window), backends, dtype, rotary)
 
 
+def test_decode_short_contexts_stay_unsplit_in_a_split_launch(device: str, dtype: torch.dtype) -> None:
+    """A launch split for its longest context, where the contexts of at most ``DECODE_MAX_UNSPLIT`` keys
+    take the one-partition path and the longer ones the merge: both match the reference. A bound within
+    ``DECODE_MAX_UNSPLIT`` plans no split at all."""
+    from tokenmill.kernels.paged_attention import DECODE_MAX_UNSPLIT, plan_decode_split
+
+    batch = random_batch(39, 4, 1, 64, mode="decode", dtype=dtype, device=device, max_len=600, batch=3)
+    assert min(batch.seq_lens) <= DECODE_MAX_UNSPLIT < max(batch.seq_lens)
+    split = plan_decode_split(3, 1, max(batch.seq_lens), torch.device(device), 64)
+    assert split.num_splits > 1 and split.max_unsplit == DECODE_MAX_UNSPLIT
+    assert plan_decode_split(1, 1, DECODE_MAX_UNSPLIT, torch.device(device), 64).num_splits == 1
+    backends = [TritonAttentionBackend(), TritonAttentionBackend(fused_decode_rotary_kv=True)]
+    rotary = RotaryEmbedding(64, 1024, RopeConfig(theta=10000.0)).to(device)
+    check_against_reference(batch, _layer(4, 1, 64, None), backends, dtype, rotary)
+
+
 def test_decode_merges_leave_their_counters_at_zero(device: str) -> None:
     """The last partition to arrive merges and resets its counter: launch after launch (layers, graph
     replays) the same inputs give the same output."""

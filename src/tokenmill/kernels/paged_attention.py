@@ -38,13 +38,15 @@ MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows on the GPU
 # Split decode while the programs stay within about this many per SM (H200, graph replay: 4 per SM
 # was best at batch 1 and 8; a batch of 64 already has 4 per SM unsplit, and splitting it cost 15%)...
 DECODE_PROGRAMS_PER_SM = 4
-# ...into partitions of the bound no shorter than this (keys; at batch 1, 256 rather than 128 made
-# Llama-3.2-1B decode 1.4% faster at 130-190-token contexts: one partition, no merge)...
-DECODE_MIN_PARTITION = 256
-DECODE_MAX_SPLITS = 64  # ...and no more than this many
+DECODE_MIN_PARTITION = 128  # ...into partitions of the bound no shorter than this (keys)...
+DECODE_MAX_SPLITS = 64  # ...and no more than this many.
+# A context of up to this many keys stays one partition, with no merge of partials (Llama-3.2-1B
+# batch-1 decode at 130-190 keys: +1.4% against partitions of 128).
+DECODE_MAX_UNSPLIT = 256
 MERGE_CHUNK = tl.constexpr(8)  # partitions a split merge reads per round of loads
 # Bytes of keys (and as many of values) in a decode program's first tile, loaded before it waits, per
-# warp: with 8 warps (small batches) a whole 256-key partition of head_dim 64 (+1.1% at batch 1).
+# warp, up to a partition: with 8 warps (small batches), a whole unsplit context of head_dim 64 (+1.1%
+# at batch 1; a 256-key tile over 128-key partitions was 2-3% slower at 320-1088-key contexts).
 PREFETCH_BYTES_PER_WARP = 4096
 
 
@@ -64,11 +66,13 @@ class DecodeConfig(NamedTuple):
 class DecodeSplit(NamedTuple):
     """How decode attention cuts each sequence's context: into ``num_splits`` partitions of
     ``max(ceil(context / num_splits), min_partition)`` keys (rounded up to whole key tiles), the last
-    ones empty when the context is short. Both numbers are launch parameters: for a CUDA graph they
-    must come from values fixed at capture (see :func:`plan_decode_split`)."""
+    ones empty when the context is short; a context of at most ``max_unsplit`` keys is one partition.
+    All are launch parameters: for a CUDA graph they must come from values fixed at capture (see
+    :func:`plan_decode_split`)."""
 
     num_splits: int
     min_partition: int  # keys, a multiple of the config's block_n
+    max_unsplit: int = 0
 
 
 class NewTokens(NamedTuple):
@@ -216,11 +220,12 @@ def _context_range(seq_len: tl.tensor, window: int, has_window: tl.constexpr) ->
 
 @triton.jit
 def _partition_length(
-    context_len: tl.tensor, num_splits: int, min_partition: int, block_n: tl.constexpr
+    context_len: tl.tensor, num_splits: int, min_partition: int, max_unsplit: int, block_n: tl.constexpr
 ) -> tl.tensor:
-    """Keys per partition for this sequence: its context over the splits, in whole key tiles."""
-    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), block_n) * block_n
-    return tl.maximum(per_split, min_partition)
+    """Keys per partition for this sequence: its context over the splits, in whole key tiles; the whole
+    context when it is at most ``max_unsplit`` keys."""
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(context_len, num_splits), block_n) * block_n, min_partition)
+    return tl.where(context_len <= max_unsplit, tl.cdiv(context_len, block_n) * block_n, per_split)
 
 
 @triton.jit
@@ -287,7 +292,7 @@ def _load_rotated(
     return x
 
 
-@triton.jit(do_not_specialize=["window", "min_partition", "num_splits"])
+@triton.jit(do_not_specialize=["window", "min_partition", "max_unsplit", "num_splits"])
 def _decode_kernel(
     query_ptr: tl.tensor,
     key_pool_ptr: tl.tensor,
@@ -307,6 +312,7 @@ def _decode_kernel(
     scale_log2: float,
     window: int,
     min_partition: int,
+    max_unsplit: int,
     num_query_heads: int,
     num_splits: int,
     query_token_stride: int,
@@ -339,7 +345,7 @@ def _decode_kernel(
     partition = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     context_start, context_len = _context_range(seq_len, window, has_window)
-    partition_len = _partition_length(context_len, num_splits, min_partition, block_n)
+    partition_len = _partition_length(context_len, num_splits, min_partition, max_unsplit, block_n)
     lo = context_start + partition * partition_len
     if lo >= seq_len:  # past this sequence's context: the merge does not read this partition
         return
@@ -592,6 +598,7 @@ def paged_decode_attention(
         scale * LOG2E,
         sliding_window or 0,
         split.min_partition,
+        split.max_unsplit,
         num_heads,
         split.num_splits,
         query.stride(0),
@@ -610,7 +617,7 @@ def paged_decode_attention(
         group_block=max(MIN_DOT_ROWS, next_power_of_2(num_heads // num_kv_heads)),
         head_dim=head_dim,
         block_n=config.block_n,
-        prefetch_n=_prefetch_keys(config, head_dim, query.dtype),
+        prefetch_n=_prefetch_keys(config, head_dim, query.dtype, split),
         block_size=key_pool.shape[1],
         has_window=bool(sliding_window),
         split=split.num_splits > 1,
@@ -635,13 +642,15 @@ def _check_new_tokens(new_tokens: NewTokens, num_seqs: int, num_kv_heads: int, h
         require_unit_last_stride(name, tensor)
 
 
-def _prefetch_keys(config: DecodeConfig, head_dim: int, dtype: torch.dtype) -> int:
+def _prefetch_keys(config: DecodeConfig, head_dim: int, dtype: torch.dtype, split: DecodeSplit) -> int:
     """Keys in a decode program's first tile: as many whole key tiles as fit ``PREFETCH_BYTES_PER_WARP``
-    per warp of 16-bit keys, no more than ``DECODE_MIN_PARTITION`` (a short partition is then one tile, loaded
-    before the wait); one tile in float32, whose dots need small tiles."""
+    per warp of 16-bit keys, no more than a partition of a split launch, or than an unsplit context when
+    the launch is not split (a short partition or context is then one tile, loaded before the wait);
+    one tile in float32, whose dots need small tiles."""
     if dtype == torch.float32:
         return config.block_n
-    keys = min(DECODE_MIN_PARTITION, PREFETCH_BYTES_PER_WARP * config.num_warps // (2 * head_dim))
+    longest = split.min_partition if split.num_splits > 1 else max(split.min_partition, split.max_unsplit)
+    keys = min(longest, PREFETCH_BYTES_PER_WARP * config.num_warps // (2 * head_dim))
     return max(config.block_n, keys // config.block_n * config.block_n)
 
 
@@ -669,16 +678,19 @@ def plan_decode_split(
     As many splits as keep ``num_seqs * num_kv_heads * num_splits`` programs within
     ``DECODE_PROGRAMS_PER_SM`` per SM, with partitions of the bound of at least ``DECODE_MIN_PARTITION``
     keys and at most ``DECODE_MAX_SPLITS``: one split (a single pass, no merge) once the batch fills
-    the GPU alone. Each sequence then cuts its own context into that many partitions of at least
-    ``DECODE_MIN_PARTITION`` keys (whole key tiles), so a short context is one partition and needs no
-    merge. A fixed ``partition_size`` instead splits the bound into partitions of that many keys.
+    the GPU alone, or when the bound is at most ``DECODE_MAX_UNSPLIT``. Each sequence then cuts its own
+    context into that many partitions of at least ``DECODE_MIN_PARTITION`` keys (whole key tiles), and
+    a context of at most ``DECODE_MAX_UNSPLIT`` keys is one partition, which needs no merge. A fixed
+    ``partition_size`` instead splits the bound into partitions of that many keys, whatever the context.
     """
     if partition_size is not None:
         partition = cdiv(partition_size, block_n) * block_n
         return DecodeSplit(max(1, cdiv(max_context, partition)), partition)
     fitting = DECODE_PROGRAMS_PER_SM * sm_count(device) // max(1, num_seqs * num_kv_heads)
     splits = max(1, min(fitting, cdiv(max_context, DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
-    return DecodeSplit(splits, cdiv(DECODE_MIN_PARTITION, block_n) * block_n)
+    if max_context <= DECODE_MAX_UNSPLIT:
+        splits = 1
+    return DecodeSplit(splits, cdiv(DECODE_MIN_PARTITION, block_n) * block_n, DECODE_MAX_UNSPLIT)
 
 
 def _decode_partials(
