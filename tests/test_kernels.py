@@ -1,9 +1,11 @@
 """The Triton kernels against their PyTorch references, on random inputs of many shapes.
 
 Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set below before triton is
-first imported) on tiny float32 CPU tensors; with CUDA they are compiled and also tested in bfloat16 and
-float16, where attention is judged by its error against a float64 reference, relative to the error of
-the PyTorch reference at the same precision. The module is skipped when triton is not installed.
+first imported) on tiny float32 CPU tensors (the interpreter's ``tl.dot`` multiplies bfloat16 operands
+as raw bits: triton-lang/triton#11584, not supported there); with CUDA they are compiled and also tested
+in bfloat16 and float16, where attention is judged by its error against a float64 reference, relative
+to the error of the PyTorch reference at the same precision. The module is skipped when triton is not
+installed.
 """
 
 import math
