@@ -330,9 +330,25 @@ class Scheduler:
 def peak_blocks(growth: Sequence[tuple[int, int]], block_size: int) -> int:
     """The most blocks held at any future step by requests that each hold ``tokens + t`` slots ``t`` steps
     from now and finish after ``steps`` steps, for ``(tokens, steps)`` in ``growth`` (``steps`` >= 1).
-    Between two finishes the total only grows, so the peak is at a step just before some request finishes."""
+    Between two finishes the total only grows, so the peak is at a step just before some request finishes.
 
-    def blocks_at(step: int) -> int:
-        return sum(-(-(tokens + step) // block_size) for tokens, steps in growth if step < steps)
-
-    return max((blocks_at(steps - 1) for _, steps in growth), default=0)
+    In O(n log n + n * block_size), not O(n^2), as it runs at every admission: with ``tokens + block_size
+    - 1 = q * block_size + r`` and ``t = k * block_size + m``, a request holds ``q + k + (r + m >=
+    block_size)`` blocks at step ``t``, so the total over the requests still running is their sum of
+    ``q``, ``k`` per request, and the count of their ``r`` of at least ``block_size - m``."""
+    by_finish = sorted(growth, key=lambda entry: entry[1])
+    quotient_sum, residue_counts = 0, [0] * block_size
+    for tokens, _ in by_finish:
+        quotient, residue = divmod(tokens + block_size - 1, block_size)
+        quotient_sum += quotient
+        residue_counts[residue] += 1
+    running, peak = len(by_finish), 0
+    for tokens, steps in by_finish:  # the step before each finish, in order; then that request is done
+        k, m = divmod(steps - 1, block_size)
+        crossing = sum(residue_counts[block_size - m :]) if m else 0
+        peak = max(peak, quotient_sum + running * k + crossing)
+        quotient, residue = divmod(tokens + block_size - 1, block_size)
+        quotient_sum -= quotient
+        residue_counts[residue] -= 1
+        running -= 1
+    return peak
