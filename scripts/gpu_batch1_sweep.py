@@ -24,8 +24,8 @@ import json
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -54,16 +54,6 @@ def projection_shapes(loaded: LoadedModel) -> dict[str, tuple[int, int]]:
     }
 
 
-@contextlib.contextmanager
-def patched(obj: object, name: str, value: object) -> Iterator[None]:
-    saved = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, saved)
-
-
 def variant_patch(spec: str, shapes: dict[str, tuple[int, int]]) -> contextlib.AbstractContextManager[object]:
     kind, _, rest = spec.partition(":")
     if kind == "base":
@@ -78,12 +68,12 @@ def variant_patch(spec: str, shapes: dict[str, tuple[int, int]]) -> contextlib.A
             hit = (out_features, in_features) == shapes[shape_name]
             return chosen._replace(**changes) if hit else chosen
 
-        return patched(gemv_module, "default_gemv_config", config)
+        return mock.patch.object(gemv_module, "default_gemv_config", config)
     if kind == "attn":
         stack = contextlib.ExitStack()
         for field in rest.split(","):
             name, value = field.split("=")
-            stack.enter_context(patched(attention_module, name, int(value)))
+            stack.enter_context(mock.patch.object(attention_module, name, int(value)))
         return stack
     if kind == "decode_config":
         block_n, warps, stages = map(int, rest.split(":"))
@@ -96,7 +86,7 @@ def variant_patch(spec: str, shapes: dict[str, tuple[int, int]]) -> contextlib.A
                 return attention_module.DecodeConfig(block_n, warps, stages)
             return default_decode(head_dim, dtype, num_seq_heads, num_sms)
 
-        return patched(attention_module, "default_decode_config", decode_config)
+        return mock.patch.object(attention_module, "default_decode_config", decode_config)
     raise SystemExit(f"unknown variant {spec!r}")
 
 

@@ -336,18 +336,19 @@ def peak_blocks(growth: Sequence[tuple[int, int]], block_size: int) -> int:
     - 1 = q * block_size + r`` and ``t = k * block_size + m``, a request holds ``q + k + (r + m >=
     block_size)`` blocks at step ``t``, so the total over the requests still running is their sum of
     ``q``, ``k`` per request, and the count of their ``r`` of at least ``block_size - m``."""
-    by_finish = sorted(growth, key=lambda entry: entry[1])
-    quotient_sum, residue_counts = 0, [0] * block_size
-    for tokens, _ in by_finish:
-        quotient, residue = divmod(tokens + block_size - 1, block_size)
-        quotient_sum += quotient
+    # (q, r, steps) per request, by finish step; the counts cover the requests still running.
+    by_finish = sorted(
+        ((*divmod(tokens + block_size - 1, block_size), steps) for tokens, steps in growth),
+        key=lambda entry: entry[2],
+    )
+    quotient_sum = sum(quotient for quotient, _, _ in by_finish)
+    residue_counts = [0] * block_size
+    for _, residue, _ in by_finish:
         residue_counts[residue] += 1
     running, peak = len(by_finish), 0
-    for tokens, steps in by_finish:  # the step before each finish, in order; then that request is done
+    for quotient, residue, steps in by_finish:  # the step before each finish; then that request is done
         k, m = divmod(steps - 1, block_size)
-        crossing = sum(residue_counts[block_size - m :]) if m else 0
-        peak = max(peak, quotient_sum + running * k + crossing)
-        quotient, residue = divmod(tokens + block_size - 1, block_size)
+        peak = max(peak, quotient_sum + running * k + sum(residue_counts[block_size - m :]))
         quotient_sum -= quotient
         residue_counts[residue] -= 1
         running -= 1

@@ -46,7 +46,7 @@ DECODE_MAX_UNSPLIT = 256
 MERGE_CHUNK = tl.constexpr(8)  # partitions a split merge reads per round of loads
 # Bytes of keys (and as many of values) in a decode program's first tile, loaded before it waits, per
 # warp, up to a partition: with 8 warps (small batches), a whole unsplit context of head_dim 64 (+1.1%
-# at batch 1; a 256-key tile over 128-key partitions was 2-3% slower at 320-1088-key contexts).
+# at batch 1; a 256-key tile over 128-key partitions was 2.2-3.4% slower at 320-1088-key contexts).
 PREFETCH_BYTES_PER_WARP = 4096
 
 
