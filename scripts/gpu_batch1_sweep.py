@@ -33,7 +33,7 @@ import tokenmill.kernels.gemv as gemv_module
 import tokenmill.kernels.paged_attention as attention_module
 from tokenmill.benchmarks import common, latency
 from tokenmill.benchmarks.workload import WorkloadSpec
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel
 

@@ -33,8 +33,8 @@ import torch
 from tokenmill import SamplingParams
 from tokenmill.attention import ForwardContext, TorchAttentionBackend, forward_context
 from tokenmill.benchmarks.latency import decode_bytes_per_token, measure_copy_bandwidth
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.cuda_graphs import DecodeGraphRunner, cuda_graph_batch_sizes, padded_batch_size
+from tokenmill.config import EngineConfig
+from tokenmill.runner.cuda_graphs import DecodeGraphRunner, cuda_graph_batch_sizes, padded_batch_size
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
 

@@ -22,7 +22,7 @@ from tiny_models import VOCAB, save_tiny_model, tiny_configs  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from tokenmill.benchmarks.load_memory import measure_load_memory  # noqa: E402
-from tokenmill.engine.greedy import greedy_generate  # noqa: E402
+from tokenmill.reference import greedy_generate  # noqa: E402
 from tokenmill.loading import load_model  # noqa: E402
 
 NEW_TOKENS = 48

@@ -2,12 +2,12 @@
 
 from typing import Any
 
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.outputs import CompletionOutput, RequestOutput
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.llm import LLM
 from tokenmill.loading import LoadedModel
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
 
 
 def engine_for(loaded: LoadedModel, **options: Any) -> LLMEngine:

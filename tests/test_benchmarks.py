@@ -16,7 +16,7 @@ from tokenmill.benchmarks import hf_peer, ladder, latency, throughput
 from tokenmill.benchmarks.correctness import LOGPROB_TOLERANCE, check_fast_path
 from tokenmill.benchmarks.measure import RunResult, compare_outputs, percentile, run_engine
 from tokenmill.benchmarks.workload import WorkloadSpec, build_workload, corpus_slice, parse_length_range
-from tokenmill.engine.config import FUSED_KERNEL_TOGGLES, EngineConfig
+from tokenmill.config import FUSED_KERNEL_TOGGLES, EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
 

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from tokenmill.cli import BENCHMARKS, EXIT_BAD_INPUT, main
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.config_flags import add_engine_config_arguments, engine_options_from
+from tokenmill.config import EngineConfig
+from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
 
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))

@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 from test_models_tiny import ARCHITECTURES, LOGIT_TOLERANCE, NEW_TOKENS, hf_greedy
 from tiny_models import VOCAB, save_tiny_model
-from tokenmill.engine.greedy import greedy_generate
 from tokenmill.loading import load_model
 from tokenmill.models.layers.cpu_linear import (
     pack_weight,
@@ -14,6 +13,7 @@ from tokenmill.models.layers.cpu_linear import (
     prepack_linear_weights,
     supports_prepacking,
 )
+from tokenmill.reference import greedy_generate
 
 pytestmark = pytest.mark.skipif(
     not supports_prepacking(torch.empty(1, 1)), reason="this torch has no oneDNN packed linear"

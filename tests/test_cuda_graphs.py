@@ -23,10 +23,13 @@ from tokenmill.cache.kv_pool import (
     kv_bytes_per_block,
     num_blocks_for_device_memory,
 )
-from tokenmill.engine import cuda_graphs as cuda_graphs_module
-from tokenmill.engine import kv_cache as kv_cache_module
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.cuda_graphs import (
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.loading import load_model
+from tokenmill.reference import greedy_generate
+from tokenmill.runner import cuda_graphs as cuda_graphs_module
+from tokenmill.runner import kv_cache as kv_cache_module
+from tokenmill.runner.cuda_graphs import (
     DecodeGraphRunner,
     DecodeInputs,
     DecodeRow,
@@ -35,10 +38,7 @@ from tokenmill.engine.cuda_graphs import (
     is_decode_step,
     padded_batch_size,
 )
-from tokenmill.engine.greedy import greedy_generate
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.step_inputs import PackedLayout, pack_to_device
-from tokenmill.loading import load_model
+from tokenmill.runner.step_inputs import PackedLayout, pack_to_device
 
 GIB = 2**30
 CPU = torch.device("cpu")
@@ -428,7 +428,7 @@ def test_gpu_pool_is_sized_after_profiling_the_largest_step(
         cuda_graph_logits=graph_logits,
     )  # fmt: skip
     shape = (16, 4, 2, 64, torch.bfloat16)
-    with caplog.at_level(logging.INFO, logger="tokenmill.engine.kv_cache"):
+    with caplog.at_level(logging.INFO, logger="tokenmill.runner.kv_cache"):
         blocks = kv_cache_module._num_blocks_on_gpu(
             config, shape, 2048, torch.device("cuda"), fake.profile_forward
         )

@@ -8,9 +8,9 @@ import torch
 
 from engine_helpers import engine_for, llm_for, run_to_completion
 from tokenmill import SamplingParams
-from tokenmill.engine.greedy import greedy_generate
 from tokenmill.engine.llm_engine import InvalidRequestError
 from tokenmill.loading import load_model
+from tokenmill.reference import greedy_generate
 
 LADDER = [
     ("none", "sequential"),

@@ -20,7 +20,6 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from gguf_fixtures import GGUF_ARCH, save_hf_model, tiny_gguf_config, write_gguf
-from tokenmill.engine.greedy import greedy_generate
 from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 from tokenmill.loading import load_model
 from tokenmill.loading.default_model import default_model_path
@@ -28,6 +27,7 @@ from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.loading.gguf_file import GGUFFile
 from tokenmill.loading.loader import LoadedModel
 from tokenmill.models import ModelConfig
+from tokenmill.reference import greedy_generate
 from tokenmill.tokenizer import Tokenizer
 
 # Both sides run float32 on identical dequantized weights; only the summation order of matmuls and

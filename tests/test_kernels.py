@@ -597,8 +597,8 @@ def test_engine_with_triton_attention_matches_the_reference_loop(tiny_llama_fold
     the greedy tokens of the single-sequence PyTorch loop."""
     from engine_helpers import engine_for, run_to_completion
     from tokenmill import SamplingParams
-    from tokenmill.engine.greedy import greedy_generate
     from tokenmill.loading import load_model
+    from tokenmill.reference import greedy_generate
 
     device = DEVICES[0]
     loaded = load_model(tiny_llama_folder, device=device, dtype="float32")
@@ -726,8 +726,8 @@ def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_fo
     seeded sampled request runs through the fused draw."""
     from engine_helpers import engine_for, run_to_completion
     from tokenmill import SamplingParams
-    from tokenmill.engine.greedy import greedy_generate
     from tokenmill.loading import load_model
+    from tokenmill.reference import greedy_generate
 
     device = DEVICES[0]
     loaded = load_model(tiny_llama_folder, device=device, dtype="float32")

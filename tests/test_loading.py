@@ -169,7 +169,7 @@ def test_dummy_weights_run_and_are_seeded() -> None:
     b = load_model("smollm2-135m", load_format="dummy", max_model_len=64, seed=1)
     assert a.source == "dummy:smollm2-135m" and a.config.num_layers == 30
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
-    from tokenmill.engine.greedy import greedy_generate
+    from tokenmill.reference import greedy_generate
 
     out = greedy_generate(a.model, [1, 2, 3], 4)
     assert len(out.token_ids) == 4 and torch.isfinite(out.prompt_logits).all()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tiny_models import VOCAB, save_tiny_model, tiny_configs
-from tokenmill.engine.greedy import greedy_generate
 from tokenmill.loading import load_model
+from tokenmill.reference import greedy_generate
 
 LOGIT_TOLERANCE = (
     1e-4  # float32 end to end; observed errors are ~1e-6, summation order being the only difference

@@ -10,14 +10,14 @@ import pytest
 from engine_helpers import engine_for, llm_for, run_to_completion
 from tokenmill import SamplingParams
 from tokenmill.cache.block_manager import BlockManager
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.greedy import greedy_generate
-from tokenmill.engine.kv_cache import KVCache
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import InvalidRequestError, LLMEngine
-from tokenmill.engine.request import FinishReason, Request
-from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import TokenmillError
 from tokenmill.loading import load_model
+from tokenmill.reference import greedy_generate
+from tokenmill.runner.kv_cache import KVCache
+from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.sequence import FinishReason, Request
 
 
 @pytest.fixture(scope="module")

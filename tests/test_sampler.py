@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from tokenmill.engine.sampler import (
+from tokenmill.runner.sampler import (
     Sampler,
     SamplerOutput,
     SamplingBatch,
@@ -18,7 +18,7 @@ from tokenmill.engine.sampler import (
     compute_prompt_logprobs,
     top_k_values,
 )
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # Small vocabulary, deliberately unsorted so that filters must find the order themselves.

@@ -29,8 +29,8 @@ from tokenmill.benchmarks.scenarios.workloads import (
     token_source,
 )
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.outputs import RequestDelta
 from tokenmill.loading import LoadedModel, load_model
+from tokenmill.outputs import RequestDelta
 
 VOCAB = 384  # the tiny models' vocabulary
 RANDOM_TOKENS = TokenSource("random", [], VOCAB, None)

@@ -8,9 +8,9 @@ import pytest
 
 from engine_helpers import engine_for
 from tokenmill import SamplingParams
-from tokenmill.engine.greedy import greedy_generate
-from tokenmill.engine.scheduler import peak_blocks
 from tokenmill.loading import load_model
+from tokenmill.reference import greedy_generate
+from tokenmill.scheduler.scheduler import peak_blocks
 
 COMBINATIONS = list(itertools.product([False, True], repeat=3))  # chunked, prefix caching, tight pool
 

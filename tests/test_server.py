@@ -14,8 +14,8 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from engine_helpers import engine_for, llm_for
 from tokenmill import SamplingParams
-from tokenmill.engine.outputs import RequestOutput
 from tokenmill.llm import LLM
+from tokenmill.outputs import RequestOutput
 from tokenmill.server import ServerSettings, ServerThread, create_app
 
 MODEL = "smollm2-test"

@@ -11,11 +11,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.config_flags import add_engine_config_arguments, engine_options_from
+from tokenmill.config import EngineConfig
+from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import TokenmillError
+from tokenmill.sampling_params import SamplingParams
 
 EXIT_BAD_INPUT = 2
 BENCHMARKS = {

@@ -4,12 +4,12 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias, cast
 
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.outputs import CompletionOutput, RequestOutput
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import SchedulerStats
 from tokenmill.errors import TokenmillError
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler.scheduler import SchedulerStats
 from tokenmill.tokenizer import Tokenizer
 
 Prompt: TypeAlias = str | Mapping[str, Any]  # text, or {"prompt_token_ids": [...]}

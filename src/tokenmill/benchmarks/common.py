@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from tokenmill.benchmarks.workload import Workload, WorkloadSpec, build_workload
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.config_flags import add_engine_config_arguments, engine_options_from
+from tokenmill.config import EngineConfig
+from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
 from tokenmill.engine.llm_engine import resolve_device
 from tokenmill.loading import LoadedModel, load_model
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.loading import LoadedModel, load_model
+from tokenmill.sampling_params import SamplingParams
 
 PLAIN_PATH = {
     "batching": "sequential",

@@ -39,7 +39,7 @@ from tokenmill.benchmarks.report import (
     write_json,
 )
 from tokenmill.benchmarks.workload import Workload, WorkloadSpec, parse_length_range
-from tokenmill.engine.config import FUSED_KERNEL_TOGGLES, EngineConfig
+from tokenmill.config import FUSED_KERNEL_TOGGLES, EngineConfig
 from tokenmill.loading import LoadedModel
 
 BASELINE_RUNG = "contiguous KV"  # sequential serving with a KV cache: the baseline the targets refer to

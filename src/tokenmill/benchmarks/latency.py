@@ -25,7 +25,7 @@ from tokenmill.benchmarks.measure import median, synchronize
 from tokenmill.benchmarks.report import describe_model, detect_hardware, fmt_bytes, header_lines
 from tokenmill.benchmarks.workload import WorkloadSpec, greedy_params
 from tokenmill.cache.kv_pool import kv_bytes_per_token
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel
 from tokenmill.models.layers import VocabParallelEmbedding

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from tokenmill.benchmarks.workload import BenchRequest, Workload
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.loading import LoadedModel
+from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass

@@ -14,8 +14,8 @@ import torch
 
 from tokenmill.benchmarks.kernels import Timer
 from tokenmill.benchmarks.report import markdown_table
-from tokenmill.engine.sampler import Sampler, SamplingBatch, SamplingRow, apply_top_k_top_p_min_p
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.runner.sampler import Sampler, SamplingBatch, SamplingRow, apply_top_k_top_p_min_p
+from tokenmill.sampling_params import SamplingParams
 
 VOCAB = 128256  # Llama 3
 BATCHES = (1, 64, 256)
@@ -103,7 +103,7 @@ def _check(
         expected = logits.argmax(dim=-1)
         ok = all(torch.equal(step(), expected) for step in steps.values())
         return "ok" if ok else "WRONG (not the argmax)"
-    from tokenmill.engine.sampler import apply_penalties
+    from tokenmill.runner.sampler import apply_penalties
 
     processed = apply_penalties(logits, batch)
     scaled = processed / batch.draw.temperature.unsqueeze(1)

@@ -31,7 +31,7 @@ from tokenmill.benchmarks.report import (
     write_json,
 )
 from tokenmill.benchmarks.workload import PromptSource, Workload, WorkloadSpec
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.loading import LoadedModel
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams
 
 PromptSource = Literal["auto", "text", "random"]
 

@@ -12,20 +12,19 @@ from collections.abc import Sequence
 import torch
 
 from tokenmill.attention import AttentionBackend, TorchAttentionBackend
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.cuda_graphs import cuda_graph_sizes
-from tokenmill.engine.kv_cache import KVCache, create_kv_cache
-from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.engine.outputs import RequestDelta
-from tokenmill.engine.request import FinishReason, Request
-from tokenmill.engine.sampler import RowLogprobs
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import Scheduler, SchedulerStats
-from tokenmill.engine.text_output import TextOutput
+from tokenmill.config import EngineConfig
+from tokenmill.engine.stop_strings import TextOutput
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels.options import KernelOptions, resolve_kernel_toggle
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.models.layers.cpu_linear import prepack_linear_weights
+from tokenmill.outputs import RequestDelta, RowLogprobs
+from tokenmill.runner.cuda_graphs import cuda_graph_sizes
+from tokenmill.runner.kv_cache import KVCache, create_kv_cache
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler.scheduler import Scheduler, SchedulerStats
+from tokenmill.sequence import FinishReason, Request
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

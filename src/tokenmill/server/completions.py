@@ -6,8 +6,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from tokenmill.engine.sampler import RowLogprobs
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.outputs import RowLogprobs
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import bad_request
 from tokenmill.server.generation import ChoiceResult, Generation, ServerContext
 from tokenmill.server.logprobs import (

@@ -24,9 +24,9 @@ from http import HTTPStatus
 from typing import Any, TypeAlias
 
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.outputs import RequestDelta
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import TokenmillError
+from tokenmill.outputs import RequestDelta
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import EngineStats, ServerMetrics
 
 logger = logging.getLogger(__name__)

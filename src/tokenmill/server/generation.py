@@ -18,9 +18,8 @@ from http import HTTPStatus
 from starlette.requests import Request
 
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.outputs import RequestDelta
-from tokenmill.engine.sampler import RowLogprobs
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.outputs import RequestDelta, RowLogprobs
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.engine_loop import (
     Accepted,
     EngineLoop,

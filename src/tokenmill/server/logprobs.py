@@ -3,7 +3,7 @@
 from collections.abc import Sequence
 from functools import lru_cache
 
-from tokenmill.engine.sampler import RowLogprobs
+from tokenmill.outputs import RowLogprobs
 from tokenmill.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from tokenmill.tokenizer import Tokenizer
 

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from tokenmill.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 

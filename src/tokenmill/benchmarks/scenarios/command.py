@@ -25,7 +25,7 @@ from tokenmill.benchmarks.scenarios.workloads import (
     token_source,
 )
 from tokenmill.benchmarks.workload import parse_length_range
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.loading import LoadedModel
 
 ALL = "all"

@@ -4,7 +4,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from tokenmill.benchmarks.scenarios.sizes import Sizes
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from tokenmill.benchmarks.measure import progress_bar
 from tokenmill.benchmarks.scenarios.offline import WARMUP_TOKENS
 from tokenmill.benchmarks.scenarios.traces import RequestTrace, ScenarioRun
 from tokenmill.benchmarks.scenarios.workloads import Scenario, Session
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel
 

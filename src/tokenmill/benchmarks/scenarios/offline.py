@@ -19,11 +19,11 @@ from tokenmill.benchmarks.measure import progress_bar
 from tokenmill.benchmarks.scenarios.traces import RequestTrace, ScenarioRun
 from tokenmill.benchmarks.scenarios.workloads import Scenario, Session
 from tokenmill.benchmarks.workload import greedy_params
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.outputs import RequestDelta
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.loading import LoadedModel
+from tokenmill.outputs import RequestDelta
+from tokenmill.sampling_params import SamplingParams
 
 WARMUP_TOKENS = 4
 

@@ -21,7 +21,7 @@ from tokenmill.benchmarks.scenarios.compare import (
 )
 from tokenmill.benchmarks.scenarios.traces import RunSummary, ScenarioRun, summarize
 from tokenmill.benchmarks.scenarios.workloads import Scenario
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 
 MAX_MISMATCHES_SHOWN = 5
 QUANTILE_KEYS = ("p50", "p90", "p99")

@@ -4,8 +4,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.engine.sampler import RowLogprobs
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.outputs import RowLogprobs
+from tokenmill.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

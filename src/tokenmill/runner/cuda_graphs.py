@@ -43,13 +43,13 @@ from tokenmill.attention import (
     forward_context,
 )
 from tokenmill.cache.block_manager import BlockManager
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.step_inputs import PackedLayout, host_buffer
+from tokenmill.config import EngineConfig
 from tokenmill.models import CausalLM
+from tokenmill.runner.step_inputs import PackedLayout, host_buffer
 
 if TYPE_CHECKING:
-    from tokenmill.engine.request import Request
-    from tokenmill.engine.scheduler import ScheduledChunk
+    from tokenmill.scheduler.scheduler import ScheduledChunk
+    from tokenmill.sequence import Request
 
 logger = logging.getLogger(__name__)
 SIZE_STEP = 8  # captured sizes: 1, 2, 4, then every multiple of this

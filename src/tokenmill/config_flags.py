@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection
 from dataclasses import MISSING, fields
 from typing import Any
 
-from tokenmill.engine.config import EngineConfig
+from tokenmill.config import EngineConfig
 
 
 def add_engine_config_arguments(

@@ -20,9 +20,9 @@ from tokenmill.cache.kv_pool import (
     num_blocks_for_device_memory,
     read_device_memory,
 )
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.cuda_graphs import GRAPH_LOGITS_MAX_ROWS, cuda_graph_sizes
+from tokenmill.config import EngineConfig
 from tokenmill.models import ModelConfig
+from tokenmill.runner.cuda_graphs import GRAPH_LOGITS_MAX_ROWS, cuda_graph_sizes
 
 logger = logging.getLogger(__name__)
 _GIB = 2**30

@@ -10,12 +10,13 @@ device value back to the host; the caller's read of the token ids is the step's 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeAlias
+from typing import TypeAlias
 
 import numpy as np
 import torch
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.outputs import RowLogprobs
+from tokenmill.sampling_params import SamplingParams
 
 # Exponential noise of exactly 0 would make ``probs / noise`` inf or NaN; clamping changes nothing else.
 _MIN_NOISE = 1e-20
@@ -309,13 +310,6 @@ def _seeded_rows(rows: Sequence[SamplingRow], greedy: Sequence[bool]) -> list[tu
         for index, row in enumerate(rows)
         if row.params.seed is not None and not greedy[index]
     ]
-
-
-class RowLogprobs(NamedTuple):
-    token_id: int
-    logprob: float
-    rank: int  # 1 + number of tokens strictly more likely
-    top: list[tuple[int, float]]  # (id, logprob), most likely first
 
 
 @dataclass

@@ -23,9 +23,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.cache.radix_cache import PrefixMatch, RadixCache, RadixNode
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.kv_cache import KVCache
-from tokenmill.engine.request import FinishReason, Request, RequestStatus
+from tokenmill.config import EngineConfig
+from tokenmill.runner.kv_cache import KVCache
+from tokenmill.sequence import FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A step's integer inputs reach the device in one non-blocking copy from pinned memory, and nothing on
 the way reads a device value back, except the sampled token ids at the end: the step's one sync. Decode
-steps run through CUDA graphs when they are captured (:mod:`tokenmill.engine.cuda_graphs`).
+steps run through CUDA graphs when they are captured (:mod:`tokenmill.runner.cuda_graphs`).
 """
 
 import itertools
@@ -14,14 +14,15 @@ import numpy as np
 import torch
 
 from tokenmill.attention import AttentionBackend, AttentionMetadata, ForwardContext, forward_context
-from tokenmill.engine.cuda_graphs import DecodeGraphRunner
-from tokenmill.engine.kv_cache import KVCache
-from tokenmill.engine.request import Request
-from tokenmill.engine.sampler import RowLogprobs, Sampler, SamplingBatch, SamplingRow, compute_prompt_logprobs
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import ScheduledChunk
-from tokenmill.engine.step_inputs import pack_to_device
 from tokenmill.models import CausalLM
+from tokenmill.outputs import RowLogprobs
+from tokenmill.runner.cuda_graphs import DecodeGraphRunner
+from tokenmill.runner.kv_cache import KVCache
+from tokenmill.runner.sampler import Sampler, SamplingBatch, SamplingRow, compute_prompt_logprobs
+from tokenmill.runner.step_inputs import pack_to_device
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler.scheduler import ScheduledChunk
+from tokenmill.sequence import Request
 
 logger = logging.getLogger(__name__)
 # What the memory profile samples with: top-k and top-p take the sampler's largest buffers (a sort).

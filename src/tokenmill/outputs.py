@@ -1,8 +1,16 @@
 """What the engine returns: per-step deltas for streaming, and whole results for the offline API."""
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from tokenmill.engine.sampler import RowLogprobs
+
+class RowLogprobs(NamedTuple):
+    """One sampled (or prompt) position's logprob, rank and top alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 + number of tokens strictly more likely
+    top: list[tuple[int, float]]  # (id, logprob), most likely first
 
 
 @dataclass

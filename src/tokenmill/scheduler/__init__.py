@@ -1,0 +1,1 @@
+"""Deciding: which tokens of which sequences run in the next forward pass."""
