@@ -27,6 +27,7 @@ class KernelOptions:
     # Launch the kernels above (and the attention backend's) programmatically dependent: each starts while
     # the one before it finishes and waits only where it reads its results (tokenmill.kernels.launch).
     pdl: bool = False
+    prepacked_cpu_linear: bool = False  # TEMPORARY until the layers merge
 
     @classmethod
     def resolve(
@@ -37,6 +38,7 @@ class KernelOptions:
         activation: bool | None = None,
         gemv: bool | None = None,
         pdl: bool | None = None,
+        prepacked_cpu_linear: bool = False,
     ) -> "KernelOptions":
         """Options for a model on ``device``; see the module docstring for None / True / False."""
         return cls(
@@ -45,12 +47,13 @@ class KernelOptions:
             activation=resolve_kernel_toggle("activation", activation, device),
             gemv=resolve_kernel_toggle("gemv", gemv, device),
             pdl=resolve_pdl(pdl, device),
+            prepacked_cpu_linear=prepacked_cpu_linear,
         )
 
     @property
     def enabled(self) -> tuple[str, ...]:
         """The fused kernels switched on (``pdl`` is how they launch, not a kernel)."""
-        return tuple(f.name for f in fields(self) if f.name != "pdl" and getattr(self, f.name))
+        return tuple(f.name for f in fields(self) if f.name not in ("pdl", "prepacked_cpu_linear") and getattr(self, f.name))
 
 
 def kernels_auto_on(device: torch.device | str) -> bool:

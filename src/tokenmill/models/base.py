@@ -60,6 +60,13 @@ class CausalLM(nn.Module, ABC):
                 module.pdl = options.pdl
         self.kernel_options = options
 
+    def with_kernels(self, options: KernelOptions) -> "CausalLM":  # TEMPORARY shim until the layers merge
+        from tokenmill.models.layers.cpu_linear import prepack_linear_weights
+
+        self.use_kernels(options)
+        prepack_linear_weights(self, options.prepacked_cpu_linear)
+        return self
+
     @classmethod
     @abstractmethod
     def config_from_hf(cls, raw: dict[str, Any], source: str) -> ModelConfig:
