@@ -13,7 +13,7 @@ from tokenmill.sampling_params import SamplingParams
 def engine_for(loaded: LoadedModel, **options: Any) -> LLMEngine:
     options.setdefault("device", "cpu")
     options.setdefault("cpu_kv_cache_gib", 0.25)
-    return LLMEngine(EngineConfig(**options), loaded=loaded)
+    return LLMEngine(EngineConfig().with_options(**options), loaded=loaded)
 
 
 def llm_for(loaded: LoadedModel, **options: Any) -> LLM:

@@ -454,7 +454,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for seq_id in list(self.model.tables):
             self.manager.free(seq_id)
         self.manager.check_integrity()
-        assert self.manager.num_free_blocks == self.manager.num_blocks
+        assert self.manager.num_used_blocks == 0
 
 
 TestManagerMachine = ManagerMachine.TestCase

@@ -195,7 +195,7 @@ def _check_against_reference(tiny, engine: LLMEngine, calls: list[int]) -> None:
         expected = greedy_generate(tiny.model, prompt, max_tokens[rid]).token_ids
         assert outputs[rid].outputs[0].token_ids == expected, rid
     assert set(calls) == {1, 2, 3, 4}, calls  # batch 5 ran eagerly
-    assert engine.kv_cache.manager.num_free_blocks == engine.kv_cache.manager.num_blocks
+    assert engine.kv_cache.manager.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("logits_in_graph", [False, True])
@@ -256,12 +256,12 @@ def test_overlapped_decode_survives_arrivals_aborts_and_preemption(
         for delta in engine.step():
             texts[delta.request_id] += delta.new_token_ids
         for rid in doomed:
-            if len(texts[rid]) >= 2 and rid in engine.sequences:
+            if len(texts[rid]) >= 2 and rid in engine.requests:
                 engine.abort(rid)
     graphs = engine.runner.decode_graphs
     assert graphs_calls and graphs.num_started >= graphs.num_reused > 0
-    assert engine.scheduler.num_preemptions > 0, "the pool was meant to be small enough to preempt"
-    assert engine.kv_cache.manager.num_free_blocks == engine.kv_cache.manager.num_blocks
+    assert engine.scheduler_stats().num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    assert engine.kv_cache.manager.num_used_blocks == 0
     for rid, (prompt, max_tokens) in workload.items():
         expected = greedy_generate(tiny.model, prompt, max_tokens).token_ids
         if rid in doomed:

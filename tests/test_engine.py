@@ -46,7 +46,7 @@ def test_every_ladder_config_matches_the_reference_greedy_loop(
     assert [o.outputs[0].token_ids for o in outputs] == references
     assert [o.outputs[0].finish_reason for o in outputs] == ["length"] * len(PROMPTS)
     if llm.engine.kv_cache is not None:
-        assert llm.engine.kv_cache.manager.num_free_blocks == llm.engine.kv_cache.manager.num_blocks
+        assert llm.engine.kv_cache.manager.num_used_blocks == 0
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,8 @@ def test_continuous_batching_equals_each_request_alone(tiny, seed: int, chunked_
             texts[delta.request_id] += delta.new_token_ids
         engine.kv_cache.manager.check_integrity()
         steps += 1
-    assert engine.scheduler.num_preemptions > 0, "the pool was meant to be small enough to preempt"
-    assert engine.kv_cache.manager.num_free_blocks == engine.kv_cache.manager.num_blocks
+    assert engine.scheduler_stats().num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    assert engine.kv_cache.manager.num_used_blocks == 0
     for rid, (prompt, max_tokens) in workload.items():
         assert texts[rid] == greedy_generate(tiny.model, prompt, max_tokens).token_ids, rid
 
@@ -103,10 +103,10 @@ def test_abort_frees_blocks_at_once(tiny) -> None:  # type: ignore[no-untyped-de
         engine.add_request(f"r{i}", list(range(5, 25)), params)
     engine.step()
     engine.step()
-    used = engine.kv_cache.manager.num_blocks - engine.kv_cache.manager.num_free_blocks
+    used = engine.kv_cache.manager.num_used_blocks
     assert used > 0
     engine.abort("r1")
-    assert engine.kv_cache.manager.num_blocks - engine.kv_cache.manager.num_free_blocks < used
+    assert engine.kv_cache.manager.num_used_blocks < used
     deltas = engine.step()
     aborted = [d for d in deltas if d.request_id == "r1"]
     assert len(aborted) == 1 and aborted[0].finish_reason == "abort"
@@ -114,7 +114,7 @@ def test_abort_frees_blocks_at_once(tiny) -> None:  # type: ignore[no-untyped-de
     engine.abort("r2")
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.kv_cache.manager.num_free_blocks == engine.kv_cache.manager.num_blocks
+    assert engine.kv_cache.manager.num_used_blocks == 0
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -181,7 +181,7 @@ def test_request_validation_names_the_limit(tiny) -> None:  # type: ignore[no-un
     engine.add_request("f", [1, 2], SamplingParams(max_tokens=1))
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("f", [1, 2], SamplingParams(max_tokens=1))
-    assert not engine.sequences.keys() - {"f"}
+    assert not engine.requests.keys() - {"f"}
 
 
 def test_engine_option_errors_name_the_option(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -189,8 +189,8 @@ def test_engine_option_errors_name_the_option(tiny) -> None:  # type: ignore[no-
         engine_for(tiny, kv_cache="fancy")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         engine_for(tiny, max_model_len=128, max_num_batched_tokens=64)
-    with pytest.raises(ValueError, match="admission_lookahead"):
-        engine_for(tiny, admission_lookahead=True, admission_headroom=0.5)
+    with pytest.raises(ValueError, match="admission_headroom"):
+        engine_for(tiny, admission="lookahead", admission_headroom=0.5)
 
 
 def test_stop_strings_cut_the_text_and_streams_add_up(smollm2) -> None:  # type: ignore[no-untyped-def]

@@ -9,15 +9,15 @@ import pytest
 
 from engine_helpers import engine_for, llm_for, run_to_completion
 from tokenmill import SamplingParams
-from tokenmill.cache.block_manager import BlockManager
-from tokenmill.config import EngineConfig
+from tokenmill.cache.kv_cache_manager import PagedKVCacheManager
+from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.engine.llm_engine import InvalidRequestError, LLMEngine
 from tokenmill.errors import TokenmillError
 from tokenmill.loading import load_model
 from tokenmill.reference import greedy_generate
-from tokenmill.runner.kv_cache import KVCache
+from tokenmill.scheduler.output import StepResult
 from tokenmill.scheduler.scheduler import Scheduler
-from tokenmill.sequence import FinishReason, Request
+from tokenmill.sequence import Sequence
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +108,9 @@ class NaiveScheduler:
 def _step_scheduler(scheduler: Scheduler) -> tuple[list[str], list[str]]:
     """One engine step without a model: every scheduled chunk computes, sampling appends a dummy token."""
     out = scheduler.schedule()
-    for chunk in out.chunks:
-        request = chunk.request
-        request.num_computed_tokens = chunk.end
-        if chunk.completes_sequence:
-            request.token_ids.append(1)
-            if request.num_output_tokens == request.max_tokens:
-                scheduler.finish(request, FinishReason.LENGTH)
-    return [c.request.request_id for c in out.chunks], [r.request_id for r in out.preempted]
+    sampled = {chunk.seq: (1, None) for chunk in out.chunks if chunk.samples_next_token}
+    scheduler.update(out, StepResult(sampled=sampled))
+    return [c.seq.seq_id for c in out.chunks], [seq.seq_id for seq in out.preempted]
 
 
 def _compare_with_reference(seed: int) -> tuple[int, int]:
@@ -123,14 +118,8 @@ def _compare_with_reference(seed: int) -> tuple[int, int]:
     preemptions (pool exhausted, admission of a better request)."""
     rng = random.Random(seed)
     block_size, num_blocks, max_num_seqs = 4, rng.randint(8, 14), rng.randint(2, 5)
-    config = EngineConfig(
-        scheduling_policy="priority",
-        block_size=block_size,
-        num_kv_blocks=num_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=100_000,
-    )
-    scheduler = Scheduler(config, KVCache(BlockManager(num_blocks, block_size), [], 0))
+    config = SchedulerConfig(policy="priority", max_num_seqs=max_num_seqs, max_num_batched_tokens=100_000)
+    scheduler = Scheduler(config, PagedKVCacheManager(num_blocks, block_size), max_model_len=100_000)
     reference = NaiveScheduler(num_blocks, block_size, max_num_seqs)
     arrivals = list(range(40))
     preemptions = 0
@@ -142,7 +131,7 @@ def _compare_with_reference(seed: int) -> tuple[int, int]:
                 max_tokens = rng.randint(1, num_blocks * block_size - prompt_len)
                 priority = rng.randint(0, 3)
                 request_id, params = f"r{index}", SamplingParams(max_tokens=max_tokens)
-                request = Request(
+                request = Sequence(
                     request_id,
                     [7] * prompt_len,
                     params,
@@ -198,13 +187,13 @@ def test_a_high_priority_request_arriving_into_a_full_batch_preempts_a_low_one_a
     for request_id in ("low-early", "low-late"):
         params = SamplingParams(temperature=0, max_tokens=max_tokens[request_id], ignore_eos=True)
         engine.add_request(request_id, prompts[request_id], params, priority=low_priority)
-        requests[request_id] = engine.sequences[request_id][0]
+        requests[request_id] = engine.requests[request_id][0]
     early_tokens: dict[str, list[int]] = {"low-early": [], "low-late": []}
     for _ in range(3):
         for delta in engine.step():
             early_tokens[delta.request_id] += delta.new_token_ids
     engine.add_request("high", prompts["high"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    requests["high"] = engine.sequences["high"][0]
+    requests["high"] = engine.requests["high"][0]
 
     order, tokens = _finish_order(engine)
 
@@ -249,7 +238,7 @@ def test_the_pool_victim_is_the_worst_priority_not_the_newest(tiny) -> None:  # 
         for index, priority in enumerate(priorities):
             params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
             engine.add_request(f"r{index}", [20 + index] * 4, params, priority=priority)
-        requests = [engine.sequences[f"r{index}"][0] for index in range(3)]
+        requests = [engine.requests[f"r{index}"][0] for index in range(3)]
         _finish_order(engine)
         victims[policy] = [request.request_id for request in requests if request.num_preemptions]
     assert victims == {"fcfs": ["r2"], "priority": ["r0"]}
@@ -315,7 +304,7 @@ def test_outputs_under_priority_scheduling_equal_each_request_alone(
 
 def test_priority_needs_the_priority_policy(tiny) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="scheduling_policy"):
-        EngineConfig(scheduling_policy="lottery")  # type: ignore[arg-type]
+        EngineConfig().with_options(scheduling_policy="lottery")
     fcfs = engine_for(tiny)
     with pytest.raises(InvalidRequestError, match="Got priority 3 but Priority scheduling is not enabled"):
         fcfs.add_request("a", [1, 2], SamplingParams(max_tokens=1), priority=3)

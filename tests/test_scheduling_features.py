@@ -10,7 +10,7 @@ from engine_helpers import engine_for
 from tokenmill import SamplingParams
 from tokenmill.loading import load_model
 from tokenmill.reference import greedy_generate
-from tokenmill.scheduler.scheduler import peak_blocks
+from tokenmill.scheduler.admission import peak_blocks
 
 COMBINATIONS = list(itertools.product([False, True], repeat=3))  # chunked, prefix caching, tight pool
 
@@ -67,12 +67,11 @@ def test_greedy_outputs_do_not_depend_on_scheduling_features(
     for rid, (prompt, max_tokens) in workload.items():
         assert outputs[rid] == greedy_generate(tiny.model, prompt, max_tokens).token_ids, rid
     manager = engine.kv_cache.manager
-    assert manager.num_free_blocks == manager.num_blocks
-    assert (engine.scheduler.num_preemptions > 0) == tight_pool
-    cache = engine.scheduler.prefix_cache
-    assert (cache is not None and cache.hit_tokens > 0) == prefix_caching
+    assert manager.num_used_blocks == 0
+    assert (engine.scheduler_stats().num_preemptions > 0) == tight_pool
     # Counted once per request, at its first admission, however often it was preempted and readmitted.
     stats = engine.scheduler_stats()
+    assert (stats.prefix_cache_hits > 0) == prefix_caching
     num_prompt_tokens = sum(len(prompt) for prompt, _ in workload.values())
     assert stats.prefix_cache_queries == (num_prompt_tokens if prefix_caching else 0)
     assert stats.prefix_cache_hits == sum(cached_tokens.values())
@@ -91,7 +90,7 @@ def test_prefix_hit_reports_cached_tokens_and_skips_their_compute(tiny) -> None:
     scheduled = engine.scheduler.schedule()
     (chunk,) = scheduled.chunks
     assert (chunk.start, chunk.end) == (20, 21), "all five full blocks come from the cache"
-    assert chunk.request.num_cached_tokens == 20
+    assert chunk.seq.num_cached_tokens == 20
 
 
 def test_prefix_cache_counters_count_prompt_tokens(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -131,7 +130,13 @@ def test_admission_headroom_trades_concurrency_for_preemptions(tiny, headroom) -
     rng = random.Random(11)
     workload = {f"r{i}": ([rng.randrange(3, 384) for _ in range(rng.randint(4, 12))], 16) for i in range(10)}
     engine = engine_for(
-        tiny, kv_cache="paged", block_size=4, num_kv_blocks=24, max_num_seqs=10, admission_headroom=headroom
+        tiny,
+        kv_cache="paged",
+        block_size=4,
+        num_kv_blocks=24,
+        max_num_seqs=10,
+        admission="headroom",
+        admission_headroom=headroom,
     )
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for rid, (prompt, _) in workload.items():
@@ -144,7 +149,7 @@ def test_admission_headroom_trades_concurrency_for_preemptions(tiny, headroom) -
         peak_running = max(peak_running, len(engine.scheduler.running))
     for rid, (prompt, max_tokens) in workload.items():
         assert outputs[rid] == greedy_generate(tiny.model, prompt, max_tokens).token_ids, rid
-    preemptions = engine.scheduler.num_preemptions
+    preemptions = engine.scheduler_stats().num_preemptions
     if headroom == 1.0:
         assert preemptions == 0
         assert peak_running <= 24 * 4 // (4 + 16)  # whole requests (prompt 4+ and 16 outputs) that fit
@@ -187,10 +192,10 @@ def test_admission_lookahead_never_preempts_and_admits_at_least_as_many_as_full_
             for delta in engine.step():
                 outputs[delta.request_id] += delta.new_token_ids
             peak_running = max(peak_running, len(engine.scheduler.running))
-        return outputs, engine.scheduler.num_preemptions, peak_running
+        return outputs, engine.scheduler_stats().num_preemptions, peak_running
 
-    outputs, preemptions, peak_running = serve(admission_lookahead=True)
-    _, full_preemptions, full_peak_running = serve(admission_headroom=1.0)
+    outputs, preemptions, peak_running = serve(admission="lookahead")
+    _, full_preemptions, full_peak_running = serve(admission="headroom", admission_headroom=1.0)
     for rid, (prompt, max_tokens) in workload.items():
         assert outputs[rid] == greedy_generate(tiny.model, prompt, max_tokens).token_ids, rid
     assert preemptions == full_preemptions == 0

@@ -98,9 +98,7 @@ def test_concurrent_streams_with_disconnects(server: ServerThread, references: l
     assert metric(server, "tokenmill:kv_cache_usage_perc") == 0
     kv_cache = context.engine.kv_cache
     assert kv_cache is not None
-    assert (
-        context.engine_loop.call(lambda engine: kv_cache.manager.allocator.num_used).result(timeout=10) == 0
-    )
+    assert context.engine_loop.call(lambda engine: kv_cache.manager.num_used_blocks).result(timeout=10) == 0
     # The clients that left were aborted, not run to their 100 tokens.
     generated = metric(server, "tokenmill:generation_tokens_total") - tokens_before
     num_leaving = len(range(0, NUM_CLIENTS, LEAVING_EVERY))

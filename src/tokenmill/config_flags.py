@@ -1,29 +1,28 @@
-"""Command-line flags for every ``EngineConfig`` field, derived from the dataclass so a new toggle needs
-no flag of its own: ``max_num_seqs`` is ``--max-num-seqs N``, a bool is ``--prefix-caching`` /
-``--no-prefix-caching``, a ``Literal`` lists its choices. A flag left unset keeps EngineConfig's default."""
+"""Command-line flags for every ``EngineConfig`` setting, derived from the dataclasses so a new toggle needs
+no flag of its own: a setting's flat name (``tokenmill.config.FLAT_OPTIONS``) ``max_num_seqs`` is
+``--max-num-seqs N``, a bool is ``--prefix-caching`` / ``--no-prefix-caching``, a ``Literal`` lists its
+choices. A flag left unset keeps EngineConfig's default."""
 
 import argparse
 import types
 import typing
 from collections.abc import Callable, Collection
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, Field, fields
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import FLAT_OPTIONS, GROUPS, EngineConfig
 
 
 def add_engine_config_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, exclude: Collection[str] = ()
 ) -> None:
-    """One flag per field of EngineConfig not in ``exclude`` (fields the command sets its own way)."""
-    hints = typing.get_type_hints(EngineConfig)
-    for field in fields(EngineConfig):
-        if field.name in exclude:
+    """One flag per setting of EngineConfig not in ``exclude`` (settings the command sets its own way)."""
+    for name, (field, kind) in _settings().items():
+        if name in exclude:
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flag = "--" + name.replace("_", "-")
         default = field.default if field.default is not MISSING else None
-        kind = _without_none(hints[field.name])
-        help_text = f"EngineConfig.{field.name} (default: {default})"
+        help_text = f"EngineConfig.{_path(name)} (default: {default})"
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif typing.get_origin(kind) is typing.Literal:
@@ -35,10 +34,25 @@ def add_engine_config_arguments(
 def engine_options_from(args: argparse.Namespace, exclude: Collection[str] = ()) -> dict[str, Any]:
     """The EngineConfig fields given on the command line, for ``EngineConfig.with_options``."""
     return {
-        field.name: getattr(args, field.name)
-        for field in fields(EngineConfig)
-        if field.name not in exclude and getattr(args, field.name, None) is not None
+        name: getattr(args, name)
+        for name in FLAT_OPTIONS
+        if name not in exclude and getattr(args, name, None) is not None
     }
+
+
+def _settings() -> dict[str, tuple["Field[Any]", Any]]:
+    """Flat name -> (the dataclass field, its type without ``None``)."""
+    found = {}
+    for name, (group, attribute) in FLAT_OPTIONS.items():
+        cls = EngineConfig if group is None else GROUPS[group]
+        field = next(f for f in fields(cls) if f.name == attribute)
+        found[name] = (field, _without_none(typing.get_type_hints(cls)[attribute]))
+    return found
+
+
+def _path(name: str) -> str:
+    group, attribute = FLAT_OPTIONS[name]
+    return attribute if group is None else f"{group}.{attribute}"
 
 
 def _without_none(annotation: Any) -> Any:

@@ -1,4 +1,5 @@
-"""The smallest complete generation loop: one sequence, greedy, with a contiguous KV cache.
+"""The reference generation loop, and the oracle the tests hold the engine to: one sequence, greedy, with a
+contiguous KV cache, none of the engine's scheduling, batching or fast paths.
 
 It exercises the same model interface the batched engine uses (packed tokens, positions, slot mapping,
 block tables) with a single block that spans the whole sequence.

@@ -1,4 +1,8 @@
-"""A request's state as it moves through the engine: tokens, how many are computed, and why it ended."""
+"""A sequence's state as it moves through the engine: tokens, how many are computed, and why it ended.
+
+A request asks for ``n`` sequences (``SamplingParams.n``); each is a :class:`Sequence` of its own that the
+scheduler, the KV cache and the runner handle alone, and the engine gathers their outputs by request id.
+"""
 
 import enum
 import time
@@ -8,7 +12,7 @@ from tokenmill.outputs import RowLogprobs
 from tokenmill.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -21,11 +25,11 @@ class FinishReason(enum.StrEnum):
 
 
 @dataclass(eq=False)
-class Request:
+class Sequence:
     """One sequence to generate. ``token_ids`` grows by one per sampled token; the engine computes
     (fills the KV cache for) ``token_ids[:num_computed_tokens]``, and every step schedules the rest."""
 
-    request_id: str
+    seq_id: str  # the request id, with the sequence's index appended when n > 1
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # resolved against the context limit
@@ -35,22 +39,23 @@ class Request:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
-    parent_id: str | None = None  # the user's request id when n > 1 made several sequences
+    request_id: str = ""  # the user's request this sequence belongs to
     index: int = 0  # which of the n sequences this is
     prompt_logprobs: list[RowLogprobs] = field(default_factory=list)  # filled as the prompt is computed
 
-    @property
-    def prompt_logprobs_done(self) -> int:
-        """Prompt positions whose next-token logprob is known."""
-        return len(self.prompt_logprobs)
-
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.request_id = self.request_id or self.seq_id
+
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """Prompt positions whose next-token logprob is known."""
+        return len(self.prompt_logprobs)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,9 +77,15 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
+    def append_token(self, token: int) -> None:
+        """The token sampled after the last one."""
+        self.token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     def banned_token_ids(self) -> list[int]:
         """Tokens that may not end the output yet: EOS and stop tokens until ``min_tokens`` are out."""

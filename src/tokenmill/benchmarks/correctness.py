@@ -62,9 +62,7 @@ class FastPathCheck:
 
 
 def fast_path_toggles(config: EngineConfig) -> dict[str, object]:
-    return {
-        name: getattr(config, name) for name, plain in PLAIN_PATH.items() if getattr(config, name) != plain
-    }
+    return {name: config.option(name) for name, plain in PLAIN_PATH.items() if config.option(name) != plain}
 
 
 def check_fast_path(
@@ -74,7 +72,7 @@ def check_fast_path(
     float32, and compare."""
     check = FastPathCheck(fast_path_toggles(config))
     reference = _float32_copy(config, loaded)
-    blocks = sum(-(-(len(prompt) + max_tokens) // config.block_size) for prompt in prompts)
+    blocks = sum(-(-(len(prompt) + max_tokens) // config.kv.block_size) for prompt in prompts)
     config = config.with_options(dtype="float32", num_kv_blocks=blocks + len(prompts))
     fast = _greedy(LLMEngine(config, loaded=reference), prompts, max_tokens)
     plain = _greedy(LLMEngine(config.with_options(**PLAIN_PATH), loaded=reference), prompts, max_tokens)

@@ -258,7 +258,7 @@ def _result_json(result: RunResult, name: str, change: str, config: EngineConfig
     return {
         "name": name,
         "change": change,
-        "config": None if config is None else config.__dict__,
+        "config": None if config is None else config.options(),
         "output_tokens": result.num_output_tokens,
         "elapsed_s": result.elapsed_s,
         "output_tokens_per_s": result.output_tokens_per_s,
@@ -332,7 +332,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--batch-size", type=int, default=8, help="static/continuous batch and HF batch (default 8)"
     )
-    group.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    group.add_argument("--block-size", type=int, default=EngineConfig().kv.block_size)
     group.add_argument("--max-model-len", type=int, default=None, help="default: fit the workload")
     group.add_argument("--rungs", nargs="+", default=None, metavar="NAME", help=f"subset of: {_rung_names()}")
     group.add_argument("--report-dir", type=Path, default=None, help="default: reports/ladder-<device>")

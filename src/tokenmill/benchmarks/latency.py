@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         theirs = median_latency(lambda: hf_once(peer, prompt, args.output_len), args.iters)
     bandwidth = measure_copy_bandwidth(loaded.device)
     peer_text = "none (--skip-hf)" if peer is None else f"{peer.describe()}, batch 1"
-    config_text = f"kv_cache={config.kv_cache}, batching={config.batching}"
+    config_text = f"kv_cache={config.kv.mode}, batching={config.scheduler.batching}"
     workload_text = f"batch 1, {workload.describe()}, median of {args.iters} runs; tokenmill {config_text}"
     hardware = detect_hardware(loaded.device)
     header = header_lines("tokenmill latency", workload_text, hardware, describe_model(loaded), peer_text)
@@ -179,7 +179,7 @@ def latency_engine_config(args: argparse.Namespace, loaded: LoadedModel, max_mod
     options = common.engine_options(args)
     config = common.base_engine_config(args, loaded, max_model_len).with_options(**options)
     if not {"num_kv_blocks", "cpu_kv_cache_gib", "gpu_memory_utilization"} & options.keys():
-        config = config.with_options(num_kv_blocks=-(-max_model_len // config.block_size))
+        config = config.with_options(num_kv_blocks=-(-max_model_len // config.kv.block_size))
     return config
 
 

@@ -177,11 +177,11 @@ def run_engine(
             times[delta.request_id].extend([now] * len(delta.new_token_ids))
             if progress is not None:
                 progress.update(len(delta.new_token_ids))
-        peak_kv = max(peak_kv, engine.kv_cache.reserved_bytes() if engine.kv_cache is not None else 0)
+        peak_kv = max(peak_kv, engine.kv_cache_memory().used_bytes)
         memory.sample()
     synchronize(engine.device)
     elapsed = time.perf_counter() - start
-    pool = engine.kv_cache.pool_bytes() if engine.kv_cache is not None else 0
+    pool = engine.kv_cache_memory().pool_bytes
     return RunResult(label, outputs, times, elapsed, peak_kv, pool, memory.peak_bytes(), steps)
 
 
@@ -204,7 +204,7 @@ def measure_engine(
     warm_up_engine(engine, workload)
     with progress_bar(workload.max_output_tokens, label, show_progress) as bar:
         result = run_engine(engine, workload, label, progress=bar)
-    result.extra["preemptions"] = engine.scheduler.num_preemptions
+    result.extra["preemptions"] = engine.scheduler_stats().num_preemptions
     del engine
     gc.collect()
     if loaded.device.type == "cuda":

@@ -149,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
         **common.engine_options(args)
     )
     show = not args.no_progress
-    label = f"tokenmill ({config.kv_cache} KV, {config.batching}, max_num_seqs {config.max_num_seqs})"
+    scheduler = config.scheduler
+    label = f"tokenmill ({config.kv.mode} KV, {scheduler.batching}, max_num_seqs {scheduler.max_num_seqs})"
     hardware = detect_hardware(loaded.device)
     print(f"workload: {workload.describe()}\nhardware: {hardware.describe()}", flush=True)
     check = check_fast_path(config, loaded, workload.prompts()[:4])
@@ -223,7 +224,7 @@ def save(
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "throughput.md").write_text("\n".join(report) + "\n")
     results = [_result_json(result) for result in [ours, *peers]]
-    write_json(folder / "throughput.json", {"report": report, "config": config.__dict__, "results": results})
+    write_json(folder / "throughput.json", {"report": report, "config": config.options(), "results": results})
 
 
 def _result_json(result: RunResult) -> dict[str, Any]:

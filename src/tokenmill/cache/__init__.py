@@ -11,7 +11,7 @@ from tokenmill.cache.block_allocator import (
     CacheIntegrityError,
     NoFreeBlocksError,
 )
-from tokenmill.cache.block_manager import BlockManager, SeqId, TokenRange, UnknownSequenceError
+from tokenmill.cache.block_manager import BlockManager, SeqId, UnknownSequenceError
 from tokenmill.cache.kv_pool import (
     allocate_kv_pool,
     kv_bytes_per_block,
@@ -27,7 +27,6 @@ __all__ = [
     "CacheIntegrityError",
     "NoFreeBlocksError",
     "SeqId",
-    "TokenRange",
     "UnknownSequenceError",
     "allocate_kv_pool",
     "kv_bytes_per_block",

@@ -1,16 +1,14 @@
-"""Per-sequence block tables over a :class:`BlockAllocator`, and the step tensors built from them.
+"""Per-sequence block tables over a :class:`BlockAllocator`, and the step arrays built from them.
 
 Token ``p`` of a sequence lives in KV slot ``table[p // block_size] * block_size + p % block_size`` of
-the flat ``[num_blocks * block_size]`` pool that :func:`~tokenmill.attention.torch_backend.write_kv_cache`
-indexes.
+the flat ``[num_blocks * block_size]`` pool that the attention backends index (:meth:`BlockManager.slots`).
 """
 
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
-from typing import NamedTuple, TypeAlias
+from typing import TypeAlias
 
 import numpy as np
-import torch
 
 from tokenmill.cache.block_allocator import BlockAllocator, CacheIntegrityError
 from tokenmill.errors import TokenmillError
@@ -20,14 +18,6 @@ SeqId: TypeAlias = Hashable
 
 class UnknownSequenceError(TokenmillError, LookupError):
     """The sequence id has no block table: never allocated, or already freed."""
-
-
-class TokenRange(NamedTuple):
-    """Tokens ``start:end`` of sequence ``seq_id``; a plain ``(seq_id, start, end)`` tuple works too."""
-
-    seq_id: SeqId
-    start: int
-    end: int
 
 
 class BlockManager:
@@ -55,9 +45,6 @@ class BlockManager:
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self._tables
 
-    def seq_ids(self) -> list[SeqId]:
-        return list(self._tables)
-
     def blocks_for_tokens(self, num_tokens: int) -> int:
         _check_non_negative("num_tokens", num_tokens)
         return -(-num_tokens // self.block_size)
@@ -66,12 +53,6 @@ class BlockManager:
         """New blocks ``allocate(seq_id, total_tokens)`` would take; an unknown id counts as empty."""
         have = len(self._tables.get(seq_id, ()))
         return max(0, self.blocks_for_tokens(total_tokens) - have)
-
-    def can_allocate(self, num_tokens: int, seq_id: SeqId | None = None) -> bool:
-        """Whether a new sequence (or ``seq_id``, grown) of ``num_tokens`` tokens fits right now."""
-        if seq_id is None:
-            return self.blocks_for_tokens(num_tokens) <= self.num_free_blocks
-        return self.blocks_needed(seq_id, num_tokens) <= self.num_free_blocks
 
     def allocate(self, seq_id: SeqId, total_tokens: int) -> list[int]:
         """Grow ``seq_id``'s table (creating it if new) to cover ``total_tokens``; returns the added blocks.
@@ -105,41 +86,44 @@ class BlockManager:
         for block_id in reversed(table):
             self.allocator.decref(block_id)
 
+    def truncate(self, seq_id: SeqId, num_blocks: int) -> None:
+        """Keep ``seq_id``'s first ``num_blocks`` blocks, releasing the rest, last first."""
+        table = self._table(seq_id)
+        _check_non_negative("num_blocks", num_blocks)
+        while len(table) > num_blocks:
+            self.allocator.decref(table.pop())
+
     def block_table(self, seq_id: SeqId) -> list[int]:
         return list(self._table(seq_id))
 
-    def capacity(self, seq_id: SeqId) -> int:
-        """Tokens ``seq_id``'s blocks can hold."""
-        return len(self._table(seq_id)) * self.block_size
+    def table_view(self, seq_id: SeqId) -> list[int]:
+        """``seq_id``'s block table itself, not a copy: read it, never change it."""
+        return self._table(seq_id)
 
-    def slot(self, seq_id: SeqId, position: int) -> int:
-        table = self._table(seq_id)
-        if not 0 <= position < len(table) * self.block_size:
-            raise IndexError(
-                f"position {position} of sequence {seq_id!r} is outside its "
-                f"{len(table)} block(s) of {self.block_size}"
-            )
-        return table[position // self.block_size] * self.block_size + position % self.block_size
+    def slots(self, tables: Sequence[list[int]], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """int64 KV slots of tokens ``starts[i]:ends[i]`` of the sequences with block ``tables``, packed in
+        order: the one place the slot formula is written."""
+        capacities = np.fromiter((len(table) for table in tables), np.int64, len(tables)) * self.block_size
+        _check_ranges(starts, ends, capacities)
+        lengths = ends - starts
+        row = np.repeat(np.arange(len(tables)), lengths)
+        first_token = np.cumsum(lengths) - lengths
+        positions = np.arange(int(lengths.sum()), dtype=np.int64) - first_token[row] + starts[row]
+        blocks = self.padded_tables(tables, np.int64)[row, positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
 
-    def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
-        """Slots of positions ``start:end`` of ``seq_id``."""
-        return self._batch_slots([(seq_id, start, end)]).tolist()
-
-    def build_slot_mapping(
-        self, ranges: Sequence[tuple[SeqId, int, int]], device: torch.device | str = "cpu"
-    ) -> torch.Tensor:
-        """int64 ``[sum of range lengths]``: the slots of each range's tokens, ranges packed in order."""
-        return torch.from_numpy(self._batch_slots(ranges)).to(device)
-
-    def build_block_tables(
-        self, seq_ids: Sequence[SeqId], device: torch.device | str = "cpu", width: int | None = None
-    ) -> torch.Tensor:
-        """int32 ``[B, width]`` block tables, padded with block 0 (a valid id the attention masks out).
-
-        ``width`` defaults to the longest table; pass a fixed one for shapes that must not change.
-        """
-        tables = [self._table(seq_id) for seq_id in seq_ids]
-        return torch.from_numpy(self._padded_tables(tables, np.int32, width)).to(device)
+    def padded_tables(self, tables: Sequence[list[int]], dtype: type, width: int | None = None) -> np.ndarray:
+        """``[len(tables), width]`` block tables padded with block 0 (a valid id attention masks out);
+        ``width`` defaults to the longest table: pass a fixed one for shapes that must not change."""
+        longest = max((len(table) for table in tables), default=0)
+        if width is None:
+            width = longest
+        elif width < longest:
+            raise ValueError(f"width {width} is narrower than the longest block table ({longest} blocks)")
+        padded: np.ndarray = np.zeros((len(tables), width), dtype=dtype)
+        for index, table in enumerate(tables):
+            padded[index, : len(table)] = table
+        return padded
 
     def check_integrity(self, extra_refs: Mapping[int, int] | None = None) -> None:
         """Check that every block's refcount equals its holders: the tables that list it plus
@@ -164,43 +148,15 @@ class BlockManager:
             message = f"sequence {seq_id!r} has no block table (never allocated, or already freed)"
             raise UnknownSequenceError(message) from None
 
-    def _padded_tables(self, tables: Sequence[list[int]], dtype: type, width: int | None) -> np.ndarray:
-        longest = max((len(table) for table in tables), default=0)
-        if width is None:
-            width = longest
-        elif width < longest:
-            raise ValueError(f"width {width} is narrower than the longest block table ({longest} blocks)")
-        padded: np.ndarray = np.zeros((len(tables), width), dtype=dtype)
-        for row, table in enumerate(tables):
-            padded[row, : len(table)] = table
-        return padded
 
-    def _batch_slots(self, ranges: Sequence[tuple[SeqId, int, int]]) -> np.ndarray:
-        tables = [self._table(seq_id) for seq_id, _, _ in ranges]
-        starts = np.array([start for _, start, _ in ranges], dtype=np.int64)
-        ends = np.array([end for _, _, end in ranges], dtype=np.int64)
-        capacities = np.array([len(table) for table in tables], dtype=np.int64) * self.block_size
-        self._check_ranges(ranges, starts, ends, capacities)
-        lengths = ends - starts
-        row = np.repeat(np.arange(len(ranges)), lengths)
-        # Position of each packed token within its own sequence.
-        first_token = np.cumsum(lengths) - lengths
-        positions = np.arange(int(lengths.sum()), dtype=np.int64) - first_token[row] + starts[row]
-        padded = self._padded_tables(tables, np.int64, None)
-        blocks = padded[row, positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
-
-    @staticmethod
-    def _check_ranges(
-        ranges: Sequence[tuple[SeqId, int, int]], starts: np.ndarray, ends: np.ndarray, capacities: np.ndarray
-    ) -> None:
-        bad = np.flatnonzero((starts < 0) | (ends < starts) | (ends > capacities))
-        if bad.size:
-            seq_id, start, end = ranges[int(bad[0])]
-            raise IndexError(
-                f"token range {start}:{end} of sequence {seq_id!r} is not within its "
-                f"{int(capacities[bad[0]])} allocated slots"
-            )
+def _check_ranges(starts: np.ndarray, ends: np.ndarray, capacities: np.ndarray) -> None:
+    bad = np.flatnonzero((starts < 0) | (ends < starts) | (ends > capacities))
+    if bad.size:
+        index = int(bad[0])
+        raise IndexError(
+            f"token range {starts[index]}:{ends[index]} of row {index} is not within its "
+            f"{int(capacities[index])} allocated slots"
+        )
 
 
 def _check_non_negative(name: str, value: int) -> None:

@@ -1,38 +1,47 @@
 """``LLMEngine``: requests in, per-step token deltas out. The server and the offline ``LLM`` sit on it.
 
-Each ``step()`` runs one forward pass for every scheduled request and returns what each sequence
-gained; ``add_request`` and ``abort`` may be called between steps.
+The engine builds its parts in order (model with its kernels bound, attention backend, sampler, KV
+cache sized for the device, runner, scheduler) and then is a thin loop: each ``step()`` asks the
+scheduler what to run, has the runner execute it, and hands the result back to the scheduler
+(``schedule -> execute -> update``); it adds the text, stop strings and per-request bookkeeping.
+``add_request`` and ``abort`` may be called between steps.
 """
 
 import dataclasses
+import functools
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from tokenmill.attention import AttentionBackend, TorchAttentionBackend
+from tokenmill.attention.selector import create_attention_backend
 from tokenmill.config import EngineConfig
-from tokenmill.engine.stop_strings import TextOutput
-from tokenmill.errors import TokenmillError
+from tokenmill.engine.input_checks import (
+    InvalidRequestError,
+    check_priority,
+    check_token_ids,
+    prompt_token_ids,
+    resolve_max_tokens,
+)
+from tokenmill.engine.stop_strings import StopStringDetokenizer
 from tokenmill.kernels.options import KernelOptions, resolve_kernel_toggle
 from tokenmill.loading import LoadedModel, load_model
-from tokenmill.models.layers.cpu_linear import prepack_linear_weights
+from tokenmill.models import CausalLM
 from tokenmill.outputs import RequestDelta, RowLogprobs
 from tokenmill.runner.cuda_graphs import cuda_graph_sizes
 from tokenmill.runner.kv_cache import KVCache, create_kv_cache
+from tokenmill.runner.memory_profile import profile_forward
 from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler.scheduler import Scheduler, SchedulerStats
-from tokenmill.sequence import FinishReason, Request
+from tokenmill.scheduler.output import SchedulerStats
+from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.sequence import FinishReason, Sequence
 from tokenmill.tokenizer import Tokenizer
 
+__all__ = ["InvalidRequestError", "LLMEngine", "resolve_device"]
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
-
-
-class InvalidRequestError(TokenmillError, ValueError):
-    """The request cannot be served as asked; the message names the parameter and the limit."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -45,6 +54,12 @@ def resolve_device(device: str) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device '{device}' was asked for but CUDA is not available here")
     return resolved
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheMemory:
+    used_bytes: int  # held by sequences now
+    pool_bytes: int  # the whole pool
 
 
 class LLMEngine:
@@ -63,68 +78,54 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self._eos_token_ids()
-        dtype = next(self.loaded.model.parameters()).dtype
-        kernel_options = self._kernel_options()
-        self.loaded.model.use_kernels(kernel_options)  # before the runner (and any graph capture)
-        prepack_linear_weights(self.loaded.model, config.prepacked_cpu_linear)
-        attention = self._attention_backend(kernel_options.pdl)
-        self.runner = ModelRunner(self.loaded.model, None, attention, self.device)
-        self.runner.sampler.use_triton = resolve_kernel_toggle("sampling", config.fused_sampling, self.device)
-        # On CUDA the pool is sized after profiling the largest step through the runner.
-        self.kv_cache: KVCache | None = create_kv_cache(
-            config, self.model_config, self.max_model_len, self.device, dtype, self.runner.profile_forward
-        )
-        self.runner.kv_cache = self.kv_cache
-        self.scheduler = Scheduler(config, self.kv_cache)
-        self.runner.capture_decode_graphs(
-            cuda_graph_sizes(config, self.device),
-            self.max_model_len,
-            overlap=config.overlap_decode,
-            requests_waiting=self._may_admit_next_step,
-            logits_in_graph=config.cuda_graph_logits,
-        )
-        self.sequences: dict[str, list[Request]] = {}
-        self.texts: dict[Request, TextOutput] = {}
+        self.runner = self._build_runner()
+        self.kv_cache: KVCache = self.runner.kv
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache.manager, self.max_model_len)
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
+        self.texts: dict[Sequence, StopStringDetokenizer] = {}
         self._pending: list[RequestDelta] = []
         torch.manual_seed(config.seed)
 
-    def _may_admit_next_step(self) -> bool:
-        """Whether the next step may admit a waiting request (so it would differ from this one)."""
-        return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.config.max_running
-
-    def _kernel_options(self) -> KernelOptions:
-        """The model layers' fused kernels, from the ``fused_*`` toggles (None: on with CUDA + Triton)."""
-        config = self.config
-        return KernelOptions.resolve(
-            self.device,
-            config.fused_rms_norm,
-            config.fused_rotary,
-            config.fused_activation,
-            config.fused_gemv,
-            config.programmatic_launch,
+    def _build_runner(self) -> ModelRunner:
+        """Model (a copy of the loaded one with its kernels bound), attention backend and sampler, then
+        the KV cache sized around their activations, then the runner over all of them."""
+        kernels, device = self.config.kernels, self.device
+        options = KernelOptions.resolve(
+            device,
+            kernels.fused_rms_norm,
+            kernels.fused_rotary,
+            kernels.fused_activation,
+            kernels.fused_gemv,
+            kernels.programmatic_launch,
+            kernels.prepacked_cpu_linear,
         )
-
-    def _attention_backend(self, pdl: bool) -> AttentionBackend:
-        if self.config.attention_backend == "torch":
-            return TorchAttentionBackend()
-        from tokenmill.attention.triton_backend import TritonAttentionBackend
-        from tokenmill.kernels import triton_available
-
-        if not triton_available(self.device.type):
-            raise ValueError(
-                "attention_backend 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)"
-            )
-        fused = resolve_kernel_toggle("decode_rotary_kv", self.config.fused_decode_rotary_kv, self.device)
-        return TritonAttentionBackend(pdl=pdl, fused_decode_rotary_kv=fused)
+        model: CausalLM = self.loaded.model.with_kernels(options)
+        backend = create_attention_backend(kernels, device, options.pdl)
+        sampler = Sampler(fused=resolve_kernel_toggle("sampling", kernels.fused_sampling, device))
+        dtype = next(model.parameters()).dtype
+        profile = functools.partial(profile_forward, model, backend, sampler)
+        kv_cache = create_kv_cache(self.config, self.model_config, self.max_model_len, device, dtype, profile)
+        graphs = self.config.graphs
+        return ModelRunner(
+            model,
+            backend,
+            sampler,
+            kv_cache,
+            self.max_model_len,
+            graph_sizes=cuda_graph_sizes(self.config, device),
+            logits_in_graph=graphs.logits,
+            overlap=graphs.overlap_decode,
+        )
 
     def _max_model_len(self) -> int:
         model_limit = self.model_config.max_position_embeddings
         wanted = self.config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
         if wanted > model_limit:
             raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {model_limit} positions")
-        if self.config.max_num_batched_tokens < wanted and not self.config.chunked_prefill:
+        scheduler = self.config.scheduler
+        if scheduler.max_num_batched_tokens < wanted and not scheduler.chunked_prefill:
             raise ValueError(
-                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) is smaller than "
+                f"max_num_batched_tokens ({scheduler.max_num_batched_tokens}) is smaller than "
                 f"max_model_len ({wanted}): a full-length prompt could never be scheduled "
                 "(turn on chunked_prefill to split prompts across steps)"
             )
@@ -141,110 +142,68 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | SequenceOf[int],
         params: SamplingParams | None = None,
         priority: int = 0,
     ) -> list[int]:
         """Queue a request (``params.n`` sequences); returns its prompt token ids. ``priority``: lower is
         served first, under the ``priority`` scheduling policy only."""
         params = params or SamplingParams()
-        if request_id in self.sequences:
+        if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
-        self._check_priority(priority)
-        prompt_ids = self._prompt_ids(prompt)
-        max_tokens = self._check_lengths(len(prompt_ids), params)
-        self._check_token_ids(params)
-        children = []
-        for index in range(params.n):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = dataclasses.replace(params, seed=params.seed + index)
-            child_id = request_id if params.n == 1 else f"{request_id}[{index}]"
-            request = Request(
-                child_id,
-                prompt_ids,
-                child_params,
-                max_tokens,
-                self.eos_token_ids,
-                priority=priority,
-                parent_id=request_id,
-                index=index,
-            )
-            self.texts[request] = TextOutput(
+        check_priority(priority, self.config.scheduler.policy == "priority")
+        vocab_size = self.model_config.vocab_size
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer, vocab_size)
+        max_tokens = resolve_max_tokens(
+            len(prompt_ids),
+            params,
+            self.max_model_len,
+            self.kv_cache.manager.capacity_tokens,
+            self.tokenizer is not None,
+        )
+        check_token_ids(params, vocab_size)
+        seqs = [
+            self._sequence(request_id, index, prompt_ids, params, max_tokens, priority)
+            for index in range(params.n)
+        ]
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.texts[seq] = StopStringDetokenizer(
                 self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
             )
-            children.append(request)
-        self.sequences[request_id] = children
-        for request in children:
-            self.scheduler.add(request)
+            self.scheduler.add(seq)
         return prompt_ids
 
-    def _check_priority(self, priority: int) -> None:
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise InvalidRequestError(
-                f"Got priority {priority} but Priority scheduling is not enabled "
-                "(set scheduling_policy='priority')"
-            )
-
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "this model has no tokenizer: pass prompt token ids instead of text"
-                )
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        return ids
-
-    def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_len} tokens, which leaves no room to generate within the "
-                f"context limit of {limit} tokens"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - prompt_len
-        if prompt_len + max_tokens > limit:
-            raise InvalidRequestError(
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
-                f"{prompt_len + max_tokens} tokens, beyond the context limit of {limit} tokens"
-            )
-        if self.kv_cache is not None and prompt_len + max_tokens > self.kv_cache.capacity_tokens:
-            raise InvalidRequestError(
-                f"the request needs up to {prompt_len + max_tokens} tokens of KV cache, more than the whole "
-                f"pool holds ({self.kv_cache.capacity_tokens} tokens)"
-            )
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this model has none")
-        return max_tokens
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", list(params.logit_bias or {})),
-        ):
-            bad = [t for t in ids if not 0 <= int(t) < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab})"
-                )
+    def _sequence(
+        self,
+        request_id: str,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        priority: int,
+    ) -> Sequence:
+        """Sequence ``index`` of the request: its own id and seed when the request asks for several."""
+        if params.n > 1 and params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + index)
+        seq_id = request_id if params.n == 1 else f"{request_id}[{index}]"
+        return Sequence(
+            seq_id,
+            prompt_ids,
+            params,
+            max_tokens,
+            self.eos_token_ids,
+            priority=priority,
+            request_id=request_id,
+            index=index,
+        )
 
     def abort(self, request_id: str) -> None:
         """Stop ``request_id`` now: its KV blocks are freed at once, and the next ``step()`` reports it."""
-        for request in self.sequences.get(request_id, []):
-            if not request.is_finished:
-                self.scheduler.finish(request, FinishReason.ABORT)
-                self._pending.append(self._delta(request, [], None))
+        for seq in self.requests.get(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                self._pending.append(self._delta(seq, [], None))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._pending)
@@ -256,73 +215,53 @@ class LLMEngine:
         if scheduled.is_empty:
             deltas, self._pending = self._pending, []
             return self._forget_finished(deltas)
-        result = self.runner.execute(scheduled.chunks)  # if it raises, pending abort deltas are kept
+        step = self.runner.execute(scheduled.chunks)  # if it raises, pending abort deltas are kept
+        if self.runner.can_start_next_step(step) and self.scheduler.reserve_next_step(scheduled):
+            self.runner.start_next_step(step)
+        result = step.result()
         deltas, self._pending = self._pending, []
-        recompute = self.kv_cache is None
-        for chunk in scheduled.chunks:
-            request = chunk.request
-            request.num_computed_tokens = 0 if recompute else chunk.end
-            self.scheduler.cache_computed_blocks(request)
-            request.prompt_logprobs.extend(result.prompt_logprobs.get(request, []))
-            if request in result.sampled:
-                token, logprob = result.sampled[request]
-                deltas.append(self._append_token(request, token, logprob))
+        for seq, token, logprobs in self.scheduler.update(scheduled, result):
+            deltas.append(self._token_delta(seq, token, logprobs))
         if self.config.debug_checks:
             self.scheduler.check_integrity()
         return self._forget_finished(deltas)
 
-    def _append_token(self, request: Request, token: int, logprob: RowLogprobs | None) -> RequestDelta:
-        first_delta = request.num_output_tokens == 0
-        request.token_ids.append(token)
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
-        reason, stop_reason = self._finish_reason(request, token)
-        text = self.texts[request]
-        stop_string = text.append([token], check_stop=request.num_output_tokens >= request.params.min_tokens)
-        if stop_string is not None and reason is None:
-            reason, stop_reason = FinishReason.STOP, stop_string
-        if reason is not None:
-            if not isinstance(stop_reason, str):
-                text.finish()
-            self.scheduler.finish(request, reason)
-            request.stop_reason = stop_reason
-        delta = self._delta(request, [token], logprob)
-        if first_delta and request.params.prompt_logprobs is not None:
-            delta.prompt_logprobs = [None, *request.prompt_logprobs]
+    def _token_delta(self, seq: Sequence, token: int, logprobs: RowLogprobs | None) -> RequestDelta:
+        """The delta of a newly sampled token: its text, and the end of the sequence at a stop string."""
+        text = self.texts[seq]
+        stop_string = text.append([token], check_stop=seq.num_output_tokens >= seq.params.min_tokens)
+        if stop_string is not None and not seq.is_finished:
+            self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop_string)
+        elif seq.is_finished:
+            text.finish()
+        delta = self._delta(seq, [token], logprobs)
+        if seq.num_output_tokens == 1 and seq.params.prompt_logprobs is not None:
+            delta.prompt_logprobs = [None, *seq.prompt_logprobs]
         return delta
 
-    def _finish_reason(self, request: Request, token: int) -> tuple[FinishReason | None, int | str | None]:
-        if token in request.params.stop_token_ids:
-            return FinishReason.STOP, token
-        if token in request.eos_token_ids and not request.params.ignore_eos:
-            return FinishReason.STOP, None
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, None
-        return None, None
-
-    def _delta(self, request: Request, tokens: list[int], logprob: RowLogprobs | None) -> RequestDelta:
-        finished = request.is_finished
+    def _delta(self, seq: Sequence, tokens: list[int], logprobs: RowLogprobs | None) -> RequestDelta:
+        finished = seq.is_finished
         return RequestDelta(
-            request_id=request.parent_id or request.request_id,
-            index=request.index,
+            request_id=seq.request_id,
+            index=seq.index,
             new_token_ids=tokens,
-            new_text=self.texts[request].release(finished),
-            new_logprobs=[logprob] if logprob is not None else None,
-            finish_reason=str(request.finish_reason) if finished and request.finish_reason else None,
-            stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
+            new_text=self.texts[seq].release(finished),
+            new_logprobs=[logprobs] if logprobs is not None else None,
+            finish_reason=str(seq.finish_reason) if finished and seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def _forget_finished(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
         for delta in deltas:
             if delta.finished:
-                children = self.sequences.get(delta.request_id, [])
-                if all(child.is_finished for child in children):
-                    for child in children:
-                        self.texts.pop(child, None)
-                    self.sequences.pop(delta.request_id, None)
+                seqs = self.requests.get(delta.request_id, [])
+                if all(seq.is_finished for seq in seqs):
+                    for seq in seqs:
+                        self.texts.pop(seq, None)
+                    self.requests.pop(delta.request_id, None)
         return deltas
 
     # -- introspection ----------------------------------------------------------------------------
@@ -340,4 +279,7 @@ class LLMEngine:
         return dataclasses.replace(self.scheduler.stats)
 
     def kv_cache_usage(self) -> float:
-        return self.kv_cache.manager.usage() if self.kv_cache is not None else 0.0
+        return self.kv_cache.manager.usage()
+
+    def kv_cache_memory(self) -> KVCacheMemory:
+        return KVCacheMemory(self.kv_cache.used_bytes(), self.kv_cache.pool_bytes())

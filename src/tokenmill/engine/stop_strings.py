@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-class TextOutput:
+class StopStringDetokenizer:
+    """One sequence's text so far, held back where a stop string may still begin."""
+
     def __init__(
         self,
         tokenizer: Tokenizer | None,

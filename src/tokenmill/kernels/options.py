@@ -53,7 +53,11 @@ class KernelOptions:
     @property
     def enabled(self) -> tuple[str, ...]:
         """The fused kernels switched on (``pdl`` is how they launch, not a kernel)."""
-        return tuple(f.name for f in fields(self) if f.name not in ("pdl", "prepacked_cpu_linear") and getattr(self, f.name))
+        return tuple(
+            f.name
+            for f in fields(self)
+            if f.name not in ("pdl", "prepacked_cpu_linear") and getattr(self, f.name)
+        )
 
 
 def kernels_auto_on(device: torch.device | str) -> bool:

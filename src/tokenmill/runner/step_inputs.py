@@ -1,4 +1,5 @@
-"""A step's integer inputs in one host buffer, so they reach the GPU in a single non-blocking copy.
+"""A step's integer inputs, built in one place and sent in one host buffer, so they reach the GPU in a
+single non-blocking copy (:func:`build_step_arrays`, :func:`pack_to_device`).
 
 Each named array (token ids, positions, slots, sequence lengths, block tables, ...) sits at a 16-byte
 aligned offset of one byte buffer. On CUDA the host buffer is pinned, from PyTorch's caching host
@@ -6,11 +7,16 @@ allocator: it is not handed out again before the copy that reads it has run, so 
 is safe and cheap. On CPU the host buffer is used in place.
 """
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from tokenmill.attention import AttentionMetadata
+from tokenmill.cache.kv_cache_manager import KVCacheManager
+from tokenmill.scheduler.output import ScheduledChunk
 
 _ALIGN = 16
 _TORCH_DTYPES: dict[np.dtype, torch.dtype] = {
@@ -87,3 +93,69 @@ def pack_to_device(arrays: Mapping[str, np.ndarray], device: torch.device) -> di
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+PADDING_SLOT = -1  # a padding row's K/V is written nowhere
+PADDING_SEQ_LEN = 1  # and it attends to one key of block 0 (finite: the pool starts zeroed)
+
+
+def build_step_arrays(
+    chunks: Sequence[ScheduledChunk],
+    kv: KVCacheManager,
+    num_rows: int | None = None,
+    table_width: int | None = None,
+    with_token_ids: bool = True,
+) -> dict[str, np.ndarray]:
+    """The host arrays of one step over ``chunks``: token ids and positions per token, sequence starts
+    and lengths, the rows whose logits are sampled, and the KV slots and block tables (from ``kv``; none
+    without a pool). The one builder of step inputs: eager steps copy these to the device as they are;
+    decode graphs ask for ``num_rows`` rows (padding rows of one harmless token each) and block tables of
+    a fixed ``table_width``, and may leave the token ids out (they come from the device)."""
+    num_seqs = len(chunks)
+    starts = np.fromiter((chunk.start for chunk in chunks), np.int64, num_seqs)
+    ends = np.fromiter((chunk.end for chunk in chunks), np.int64, num_seqs)
+    lengths = ends - starts
+    pad = (num_rows or num_seqs) - num_seqs
+    query_start_loc = np.zeros(num_seqs + pad + 1, np.int32)
+    query_start_loc[1:] = np.cumsum(np.concatenate([lengths, np.ones(pad, np.int64)]))
+    num_tokens = int(lengths.sum())
+    seq_of_token = np.repeat(np.arange(num_seqs), lengths)
+    offsets = np.arange(num_tokens) - query_start_loc[:-1][:num_seqs][seq_of_token]
+    arrays = {
+        "positions": _padded(starts[seq_of_token] + offsets, pad, 0),
+        "seq_lens": _padded(ends.astype(np.int32), pad, PADDING_SEQ_LEN),
+        "query_start_loc": query_start_loc,
+        "sample_rows": query_start_loc[1:][:num_seqs][_sampled(chunks)].astype(np.int64) - 1,
+    }
+    if with_token_ids:
+        ids = itertools.chain.from_iterable(c.seq.token_ids[c.start : c.end] for c in chunks)
+        arrays["input_ids"] = _padded(np.fromiter(ids, np.int64, num_tokens), pad, 0)
+    paging = kv.paging_arrays([chunk.seq for chunk in chunks], starts, ends, table_width)
+    if paging:
+        arrays["slot_mapping"] = _padded(paging["slot_mapping"], pad, PADDING_SLOT)
+        tables = paging["block_tables"]
+        arrays["block_tables"] = np.concatenate([tables, np.zeros((pad, tables.shape[1]), tables.dtype)])
+    return arrays
+
+
+def _sampled(chunks: Sequence[ScheduledChunk]) -> np.ndarray:
+    return np.fromiter((chunk.samples_next_token for chunk in chunks), bool, len(chunks))
+
+
+def _padded(values: np.ndarray, pad: int, fill: int) -> np.ndarray:
+    return np.concatenate([values, np.full(pad, fill, values.dtype)]) if pad else values
+
+
+def attention_metadata(
+    arrays: Mapping[str, torch.Tensor], max_query_len: int, max_seq_len: int
+) -> AttentionMetadata:
+    """Attention metadata over a step's device arrays (eager steps' or a decode graph's static buffers,
+    whose ``max_seq_len`` is a bound rather than the step's value)."""
+    return AttentionMetadata(
+        query_start_loc=arrays["query_start_loc"],
+        seq_lens=arrays["seq_lens"],
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        slot_mapping=arrays.get("slot_mapping"),
+        block_tables=arrays.get("block_tables"),
+    )

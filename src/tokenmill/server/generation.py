@@ -130,7 +130,7 @@ class ServerContext:
             return
         stats, queued = self.engine_loop.load()
         in_flight = stats.num_running + stats.num_waiting + queued
-        would_wait = in_flight + num_sequences - self.engine.config.max_running
+        would_wait = in_flight + num_sequences - self.engine.config.scheduler.max_running
         if would_wait > max_waiting:
             raise APIError(
                 HTTPStatus.SERVICE_UNAVAILABLE,

@@ -1,7 +1,7 @@
 """The feature each scenario toggles: its ``EngineConfig`` with the feature off and on, all else equal."""
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from tokenmill.benchmarks.scenarios.sizes import Sizes
 from tokenmill.config import EngineConfig
@@ -51,9 +51,6 @@ TOGGLES: dict[str, FeatureToggle] = {
 
 def config_difference(off: EngineConfig, on: EngineConfig) -> str:
     """The options that differ, as ``name off -> on`` (what the report says was toggled)."""
-    changes = [
-        f"{f.name} {getattr(off, f.name)} -> {getattr(on, f.name)}"
-        for f in fields(EngineConfig)
-        if getattr(off, f.name) != getattr(on, f.name)
-    ]
+    before, after = off.options(), on.options()
+    changes = [f"{name} {before[name]} -> {after[name]}" for name in before if before[name] != after[name]]
     return ", ".join(changes) or "nothing"

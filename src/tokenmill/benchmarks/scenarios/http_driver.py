@@ -162,7 +162,7 @@ def measure_in_process(
     with ServerThread(app) as server:
         target = greedy_target(server.base_url, SERVED_MODEL_NAME, {})
         run = drive(target, scenario, label, timeout_s, show_progress)
-    run.extra["preemptions"] = engine.scheduler.num_preemptions
+    run.extra["preemptions"] = engine.scheduler_stats().num_preemptions
     del engine, app
     gc.collect()
     if loaded.device.type == "cuda":

@@ -168,7 +168,7 @@ def measure_offline(
     warm_up(engine, scenario)
     with progress_bar(scenario.max_output_tokens, f"{scenario.name} {label}", show_progress) as bar:
         run = OfflineDriver(engine, scenario).run(label, progress=bar)
-    run.extra["preemptions"] = engine.scheduler.num_preemptions
+    run.extra["preemptions"] = engine.scheduler_stats().num_preemptions
     del engine
     gc.collect()
     if loaded.device.type == "cuda":

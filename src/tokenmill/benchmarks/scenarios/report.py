@@ -208,7 +208,7 @@ def to_json(result: WorkloadResult) -> dict[str, Any]:
 def _config_json(measured: MeasuredConfig) -> dict[str, Any]:
     return {
         "label": measured.label,
-        "engine_config": None if measured.config is None else measured.config.__dict__,
+        "engine_config": None if measured.config is None else measured.config.options(),
         "summary": measured.summary.to_json(),
         "steps": measured.run.num_steps,
         **measured.run.extra,
