@@ -405,8 +405,8 @@ class Sampler:
     filtering), as vLLM v1 returns by default.
     """
 
-    def __init__(self, fused: bool = False) -> None:  # TEMPORARY until the sampler merge
-        self.use_triton = fused
+    def __init__(self, use_triton: bool = False) -> None:
+        self.use_triton = use_triton
 
     @torch.inference_mode()
     def __call__(
