@@ -2,6 +2,8 @@
 
 import dataclasses
 import math
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,9 +39,9 @@ def _with(params: SamplingParams, **changes: Any) -> SamplingParams:
     return dataclasses.replace(params, **changes)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], use_triton: bool = False) -> SamplerOutput:
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], fused: bool = False) -> SamplerOutput:
     batch = SamplingBatch.build(rows, logits.shape[1], logits.device)
-    return Sampler(use_triton=use_triton)(logits, batch)
+    return Sampler(fused=fused)(logits, batch)
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -235,7 +237,7 @@ def test_fused_greedy_only_batch_is_the_argmax(fused_device: torch.device) -> No
     logits[2] = 1.0
     logits[3, 4999] = 9.0
     rows = [SamplingRow(SamplingParams(temperature=0.0))] * 5
-    out = sample(logits, rows, use_triton=True).token_ids
+    out = sample(logits, rows, fused=True).token_ids
     assert torch.equal(out, logits.argmax(dim=-1))
     assert out[1:4].tolist() == [10, 0, 4999]
 
@@ -366,7 +368,7 @@ def run_seeded_request(
     seeded_logits: torch.Tensor,
     position: int,
     others: int,
-    use_triton: bool = False,
+    fused: bool = False,
 ) -> list[int]:
     """Decode 6 steps of one seeded request placed at ``position`` among ``others`` random requests."""
     g = torch.Generator().manual_seed(position * 100 + others)
@@ -384,7 +386,7 @@ def run_seeded_request(
         rows.insert(position, SamplingRow(seeded, [5, 6, 7], list(outputs)))
         logits = torch.randn(len(rows), vocab, generator=g)
         logits[position] = seeded_logits
-        outputs.append(int(sample(logits.to(device), rows, use_triton).token_ids[position]))
+        outputs.append(int(sample(logits.to(device), rows, fused).token_ids[position]))
     return outputs
 
 
@@ -416,13 +418,6 @@ def test_filter_paths_agree_bitwise(device: torch.device) -> None:
     with_top_p = SamplingBatch.build([row, SamplingRow(SamplingParams(top_p=0.5))], 3000, device)
     assert torch.equal(apply_top_k_top_p_min_p(logits, with_top_p)[:1], unsorted)
     assert int(torch.isfinite(unsorted).sum()) == 40, "every token tied with the k-th largest is kept"
-
-
-def test_parallel_samples_get_distinct_seeds() -> None:
-    params = SamplingParams(n=3, seed=10)
-    assert [params.for_sample(i).seed for i in range(3)] == [10, 11, 12]
-    assert all(params.for_sample(i).n == 1 for i in range(3))
-    assert SamplingParams(n=2).for_sample(1).seed is None
 
 
 # ---- logprobs ---------------------------------------------------------------------------------------------
@@ -497,7 +492,7 @@ def test_fused_draw_matches_target_distribution(case: dict[str, Any], fused_devi
     logits = torch.tensor([SMALL_LOGITS], device=fused_device).expand(FUSED_DRAWS, -1)
     rows = [SamplingRow(SamplingParams(**case))] * FUSED_DRAWS
     expected = reference_probs(SMALL_LOGITS, **{**case, "top_k": max(case.get("top_k", 0), 0)})
-    assert_matches_distribution(sample(logits, rows, use_triton=True).token_ids, expected)
+    assert_matches_distribution(sample(logits, rows, fused=True).token_ids, expected)
 
 
 def test_fused_draw_mixes_greedy_and_filtered_rows(fused_device: torch.device) -> None:
@@ -507,7 +502,7 @@ def test_fused_draw_mixes_greedy_and_filtered_rows(fused_device: torch.device) -
     params = [SamplingParams(**a), SamplingParams(**b), SamplingParams(temperature=0.0)]
     rows = [SamplingRow(params[i % 3]) for i in range(3 * 6000)]
     logits = torch.tensor([SMALL_LOGITS], device=fused_device).expand(len(rows), -1)
-    tokens = sample(logits, rows, use_triton=True).token_ids
+    tokens = sample(logits, rows, fused=True).token_ids
     assert_matches_distribution(tokens[0::3], reference_probs(SMALL_LOGITS, **a))
     assert_matches_distribution(tokens[1::3], reference_probs(SMALL_LOGITS, **b))
     assert (tokens[2::3] == SMALL_LOGITS.index(max(SMALL_LOGITS))).all()
@@ -530,7 +525,7 @@ def test_fused_draw_keeps_only_what_the_pytorch_filters_keep(fused_device: torch
     draw = batch.require_draw()
     kept = torch.isfinite(apply_top_k_top_p_min_p(logits / draw.temperature.unsqueeze(1), batch))
     for _ in range(3):
-        tokens = sample(logits, rows, use_triton=True).token_ids
+        tokens = sample(logits, rows, fused=True).token_ids
         assert kept.gather(1, tokens.unsqueeze(1)).all()
         assert torch.equal(tokens[3::4], logits[3::4].argmax(dim=-1))
 
@@ -542,7 +537,7 @@ def test_fused_greedy_ties_go_to_the_lowest_id(fused_device: torch.device) -> No
     logits[1, [1500, 2499]] = 2.0
     logits[2] = 5.0  # all tied
     rows = [SamplingRow(SamplingParams(temperature=0.0))] * 3 + [SamplingRow(SamplingParams())]
-    out = sample(logits, rows, use_triton=True)
+    out = sample(logits, rows, fused=True)
     assert out.token_ids[:3].tolist() == [7, 1500, 0]
 
 
@@ -556,12 +551,42 @@ def test_fused_seeded_request_does_not_depend_on_the_batch(
     params = SamplingParams(seed=42, **filters)
 
     def run(position: int, others: int, seeded: SamplingParams = params) -> list[int]:
-        return run_seeded_request(fused_device, seeded, seeded_logits, position, others, use_triton=True)
+        return run_seeded_request(fused_device, seeded, seeded_logits, position, others, fused=True)
 
     alone = run(0, 0)
     assert len(set(alone)) > 1, "a seeded request must still vary from step to step"
     assert run(2, 5) == alone
     assert run(0, 0, _with(params, seed=43)) != alone
+
+
+def test_the_draw_is_bound_at_construction() -> None:
+    sampler = Sampler()
+    assert not sampler.fused
+    with pytest.raises(AttributeError):
+        sampler.fused = True  # type: ignore[misc]
+
+
+NO_TRITON_SCRIPT = """
+import sys
+sys.modules["triton"] = None  # any import of triton now raises ImportError
+import torch
+from tokenmill.runner.sampler import Sampler, SamplingBatch, SamplingRow
+from tokenmill.sampling_params import SamplingParams
+rows = [SamplingRow(SamplingParams(top_k=3, seed=1)), SamplingRow(SamplingParams(temperature=0.0))]
+print(Sampler()(torch.randn(2, 10), SamplingBatch.build(rows, 10)).token_ids.shape[0])
+try:
+    Sampler(fused=True)
+except ImportError:
+    print("fused-needs-triton")
+"""
+
+
+def test_only_a_fused_sampler_imports_triton() -> None:
+    """With triton unimportable the package imports and samples; ``Sampler(fused=True)`` fails when built
+    (where it imports the kernel module), not at its first call."""
+    result = subprocess.run([sys.executable, "-c", NO_TRITON_SCRIPT], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["2", "fused-needs-triton"]
 
 
 # ---- SamplingParams ---------------------------------------------------------------------------------------
@@ -615,8 +640,8 @@ def test_params_defaults_and_normalisation() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
-def test_no_host_device_sync_on_cuda(use_triton: bool) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "triton"])
+def test_no_host_device_sync_on_cuda(fused: bool) -> None:
     """Building the batch and sampling, penalties, seeds, filters and logprobs included, never waits on the
     GPU: CUDA's sync debug mode turns any synchronising call into an error."""
     vocab = 5000
@@ -634,11 +659,9 @@ def test_no_host_device_sync_on_cuda(use_triton: bool) -> None:
     torch.cuda.set_sync_debug_mode("error")
     try:
         batch = SamplingBatch.build(rows, vocab, logits.device)
-        out = Sampler(use_triton=use_triton)(logits, batch)
+        out = Sampler(fused=fused)(logits, batch)
         greedy_rows = [SamplingRow(SamplingParams(temperature=0.0))] * 8
-        greedy = Sampler(use_triton=use_triton)(
-            logits, SamplingBatch.build(greedy_rows, vocab, logits.device)
-        )
+        greedy = Sampler(fused=fused)(logits, SamplingBatch.build(greedy_rows, vocab, logits.device))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.token_ids.shape == (8,)

@@ -1,6 +1,5 @@
 """Per-request sampling parameters with vLLM / OpenAI semantics, validated on construction."""
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -146,12 +145,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
-
-    def for_sample(self, index: int) -> "SamplingParams":
-        """Params for the ``index``-th of the ``n`` parallel samples: n=1, and seed+index so that seeded
-        samples differ from each other while staying reproducible."""
-        seed = None if self.seed is None else self.seed + index
-        return dataclasses.replace(self, n=1, seed=seed)
 
     def banned_token_ids(self, num_output_tokens: int, eos_token_ids: Sequence[int]) -> list[int]:
         """Token ids to ban at the next step so that no stop/EOS token ends the output before min_tokens."""

@@ -77,14 +77,14 @@ def _sampler_row(
     if params.seed is None:  # seeded rows of the PyTorch draw make generators: not capturable
         prebuilt = SamplingBatch.build(rows, vocab, device)
         row.torch_graph_s = timer.graphed(lambda: Sampler()(logits, prebuilt))
-        row.triton_graph_s = timer.graphed(lambda: Sampler(use_triton=True)(logits, prebuilt))
+        row.triton_graph_s = timer.graphed(lambda: Sampler(fused=True)(logits, prebuilt))
     return row
 
 
 def _step(
     rows: Sequence[SamplingRow], logits: torch.Tensor, vocab: int, use_triton: bool
 ) -> Callable[[], torch.Tensor]:
-    sampler = Sampler(use_triton=use_triton)
+    sampler = Sampler(fused=use_triton)
 
     def step() -> torch.Tensor:
         return sampler(logits, SamplingBatch.build(rows, vocab, logits.device)).token_ids

@@ -1,0 +1,95 @@
+"""Top-k, top-p and min-p on ``[B, V]`` logits (``apply_top_k_top_p_min_p``), and the same thresholds as
+one floor per row for the fused draw (``scaled_logit_floor``)."""
+
+import math
+
+import torch
+
+from tokenmill.runner.sampler.batch import DrawParams, SamplingBatch
+
+# Top-k of few rows runs in two rounds over about this many row slices, each at least this many times k.
+_TOP_K_MIN_SLICES = 256
+_TOP_K_MIN_CHUNK_PER_K = 4
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Set to -inf what top-k, then top-p, then min-p remove.
+
+    Top-k keeps the tokens whose logit is at least the k-th largest (ties at the boundary included); top-p
+    the shortest prefix of the sorted row whose probability reaches p; min-p the tokens with probability
+    >= min_p * max, i.e. logit >= max logit + log(min_p). Only top-p needs a sort (one per step); without
+    it, top-k needs just a ``topk``. Both paths give the same bits for a row, so a seeded row's samples
+    do not depend on which path the rest of the batch selects.
+    """
+    if batch.any_top_p:
+        return filter_sorted(logits, batch)
+    draw = batch.require_draw()
+    if batch.any_top_k:
+        kth_largest = _kth_largest(top_k_values(logits, batch.max_top_k), batch, draw)
+        logits = logits.masked_fill(logits < kth_largest, -math.inf)
+    if batch.any_min_p:
+        logits = logits.masked_fill(
+            logits < _min_p_threshold(logits.amax(dim=-1, keepdim=True), draw), -math.inf
+        )
+    return logits
+
+
+def filter_sorted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``apply_top_k_top_p_min_p`` through one sort of the rows: the path top-p needs."""
+    draw = batch.require_draw()
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    if batch.any_top_k:
+        kth_largest = _kth_largest(sorted_logits, batch, draw)
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, -math.inf)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    sorted_logits.masked_fill_(mass_before >= draw.top_p.unsqueeze(1), -math.inf)
+    if batch.any_min_p:
+        threshold = _min_p_threshold(sorted_logits[:, :1], draw)
+        sorted_logits.masked_fill_(sorted_logits < threshold, -math.inf)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def scaled_logit_floor(logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> torch.Tensor:
+    """``[B]``: the smallest temperature-scaled logit that top-k and min-p keep (-inf where neither is on).
+
+    Dividing by a positive temperature keeps the order, so the k-th largest scaled logit is the k-th
+    largest logit, scaled; min-p keeps ``scaled >= max(scaled) + log(min_p)``."""
+    temperature = draw.temperature
+    floor = torch.full_like(temperature, -math.inf)
+    if batch.any_top_k:
+        kth_largest = _kth_largest(top_k_values(logits, batch.max_top_k), batch, draw).squeeze(1)
+        floor = kth_largest / temperature
+    if batch.any_min_p:
+        floor = torch.maximum(floor, logits.amax(dim=-1) / temperature + draw.log_min_p)
+    return floor
+
+
+def top_k_values(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """``logits.topk(k).values`` (``[B, k]``, descending), in two rounds when there are few rows: the k
+    largest of each of several column chunks, then the k largest of those. The same values exactly
+    (every one of a row's k largest is among its chunk's k largest); one ``topk`` works a row in one
+    thread block, so a lone long row would otherwise keep the GPU idle."""
+    rows, vocab = logits.shape
+    chunks = min(-(-_TOP_K_MIN_SLICES // max(rows, 1)), vocab // (_TOP_K_MIN_CHUNK_PER_K * k))
+    if chunks <= 1:
+        return logits.topk(k, dim=-1).values
+    width = vocab // chunks
+    head = logits[:, : chunks * width].reshape(rows, chunks, width).topk(k, dim=-1).values
+    candidates = head.reshape(rows, chunks * k)
+    if chunks * width < vocab:
+        candidates = torch.cat([candidates, logits[:, chunks * width :]], dim=1)
+    return candidates.topk(k, dim=-1).values
+
+
+def _kth_largest(descending: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> torch.Tensor:
+    """``[B, 1]`` k-th largest logit from rows sorted in descending order (at least max_top_k wide);
+    -inf on rows without top-k."""
+    enabled = draw.top_k < batch.vocab_size
+    position = torch.where(enabled, draw.top_k, 1) - 1
+    kth = descending.gather(1, position.unsqueeze(1))
+    return kth.masked_fill_(~enabled.unsqueeze(1), -math.inf)
+
+
+def _min_p_threshold(max_logit: torch.Tensor, draw: DrawParams) -> torch.Tensor:
+    return max_logit + draw.log_min_p.unsqueeze(1)

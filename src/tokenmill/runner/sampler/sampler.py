@@ -1,0 +1,95 @@
+"""``Sampler``: a step's ``[B, V]`` logits to token ids (and logprobs), its draw bound at construction."""
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.runner.sampler.batch import SamplingBatch
+from tokenmill.runner.sampler.draw import ArgmaxFn, DrawFn, torch_argmax, torch_draw
+from tokenmill.runner.sampler.logprobs import LogprobsTensors, gather_logprobs
+from tokenmill.runner.sampler.penalties import apply_penalties
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    # Present when some row asked for logprobs; ``top_*`` are as wide as the largest request in the batch.
+    logprobs: LogprobsTensors | None = None
+
+
+class Sampler:
+    """Turns a step's ``[B, V]`` logits into token ids, all rows at once, with no host-device sync.
+
+    Order: logit bias and banned tokens, repetition penalty (HF: over prompt and output tokens, positive
+    logits divided by it, negative ones multiplied), presence / frequency penalties (OpenAI: over output
+    tokens), argmax for greedy rows; for the others temperature, top-k, top-p, min-p, then a sample drawn
+    as ``argmax(probs / Exp(1) noise)``, which is exact and needs no ``torch.multinomial`` sync. A batch
+    of greedy rows only is one ``argmax`` (plus the edits its rows ask for).
+
+    ``fused`` (``EngineConfig.fused_sampling``) draws with ``tokenmill.kernels.sampling`` instead:
+    temperature, the top-k / min-p floor and the Gumbel-max draw in one pass over the logits, the same
+    distribution with in-kernel noise (top-p still sorts in PyTorch first). Seeded rows stay independent
+    of the batch on either path, but the two paths draw different samples from the same seed.
+
+    The draw is chosen once, here: a fused sampler imports the kernel module (and triton) when built, so
+    build one only where ``tokenmill.kernels.triton_available`` says yes. ``fused`` is read-only; for the
+    other path, build another sampler.
+
+    Logprobs are those of the model's raw logits (``log_softmax`` before bias, penalties, temperature and
+    filtering), as vLLM v1 returns by default.
+    """
+
+    def __init__(self, *, fused: bool = False) -> None:
+        self._bind(fused)
+
+    def _bind(self, fused: bool) -> None:
+        self._fused = fused
+        self._draw: DrawFn
+        self._argmax: ArgmaxFn
+        if fused:
+            from tokenmill.runner.sampler.fused import argmax, fused_draw  # imports triton
+
+            self._draw, self._argmax = fused_draw, argmax
+        else:
+            self._draw, self._argmax = torch_draw, torch_argmax
+
+    @property
+    def fused(self) -> bool:
+        """Whether this sampler draws with the Triton kernel (fixed at construction)."""
+        return self._fused
+
+    # Transitional: LLMEngine still sets ``runner.sampler.use_triton`` once, right after building the
+    # runner; the setter binds the draw again (no per-call branch). Remove it once the runner builds
+    # ``Sampler(fused=...)`` and the engine no longer sets it.
+    @property
+    def use_triton(self) -> bool:
+        return self._fused
+
+    @use_triton.setter
+    def use_triton(self, fused: bool) -> None:
+        self._bind(fused)
+
+    @torch.inference_mode()
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, argmax: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """``argmax``: ``logits.argmax(dim=-1)`` when already computed (decode graphs compute it with the
+        logits); a batch of greedy rows without logit edits takes its tokens from it as they are."""
+        logits = logits.float()
+        processed = apply_penalties(logits, batch)
+        if batch.draw is None and argmax is not None and not batch.needs_logit_edits:
+            token_ids = argmax
+        elif batch.draw is None:
+            token_ids = self._argmax(processed)
+        else:
+            token_ids = self._draw(processed, batch, batch.draw)
+        num_top = batch.max_num_logprobs
+        if num_top is None:
+            return SamplerOutput(token_ids)
+        return SamplerOutput(
+            token_ids, gather_logprobs(torch.log_softmax(logits, dim=-1), token_ids, num_top)
+        )
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits.argmax(dim=-1)`` of float32 ``[B, V]`` logits (ties to the lowest id)."""
+        return self._argmax(logits)
