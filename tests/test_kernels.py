@@ -738,7 +738,7 @@ def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_fo
         fused_decode_rotary_kv=True, fused_sampling=True,
     )  # fmt: skip
     assert loaded.model.kernel_options.enabled == KERNEL_TOGGLES
-    assert engine.runner.sampler.use_triton and engine.runner.backend.fused_decode_rotary_kv
+    assert engine.runner.sampler.fused and engine.runner.backend.fused_decode_rotary_kv
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=5, ignore_eos=True)
     outputs = run_to_completion(engine, {"a": ([4, 8, 15, 16], greedy), "b": ([23, 42], seeded)})

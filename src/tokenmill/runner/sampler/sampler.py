@@ -40,9 +40,6 @@ class Sampler:
     """
 
     def __init__(self, *, fused: bool = False) -> None:
-        self._bind(fused)
-
-    def _bind(self, fused: bool) -> None:
         self._fused = fused
         self._draw: DrawFn
         self._argmax: ArgmaxFn
@@ -57,17 +54,6 @@ class Sampler:
     def fused(self) -> bool:
         """Whether this sampler draws with the Triton kernel (fixed at construction)."""
         return self._fused
-
-    # Transitional: LLMEngine still sets ``runner.sampler.use_triton`` once, right after building the
-    # runner; the setter binds the draw again (no per-call branch). Remove it once the runner builds
-    # ``Sampler(fused=...)`` and the engine no longer sets it.
-    @property
-    def use_triton(self) -> bool:
-        return self._fused
-
-    @use_triton.setter
-    def use_triton(self, fused: bool) -> None:
-        self._bind(fused)
 
     @torch.inference_mode()
     def __call__(
