@@ -5,14 +5,14 @@ else it needs (where each sequence starts, how much context it has, where to wri
 blocks hold its past) lives in the :class:`ForwardContext` that the caller sets around the forward pass.
 """
 
-from tokenmill.attention.backend import AttentionBackend, AttentionLayer, PendingRotary, attention
-from tokenmill.attention.context import (
-    AttentionMetadata,
+from tokenmill.attention.backend import AttentionBackend, AttentionLayer, PendingRotary
+from tokenmill.attention.forward_context import (
     ForwardContext,
-    KVCacheLayer,
+    attention,
     forward_context,
     get_forward_context,
 )
+from tokenmill.attention.metadata import AttentionMetadata, KVCacheLayer
 from tokenmill.attention.torch_backend import TorchAttentionBackend
 
 __all__ = [

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.context import AttentionMetadata, KVCacheLayer, get_forward_context
+from tokenmill.attention.metadata import AttentionMetadata, KVCacheLayer
 
 
 @dataclass(frozen=True)
@@ -49,16 +49,3 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Rotate query and key (``rotary``), write the new K/V into ``kv_cache`` (when given) and attend
         causally over each sequence."""
-
-
-def attention(
-    layer: AttentionLayer,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    rotary: PendingRotary | None = None,
-) -> torch.Tensor:
-    """The call model code makes: dispatches to the backend and KV cache of the current forward context."""
-    ctx = get_forward_context()
-    kv_cache = ctx.kv_caches[layer.layer_idx] if ctx.kv_caches is not None else None
-    return ctx.backend.forward(layer, query, key, value, ctx.metadata, kv_cache, rotary)

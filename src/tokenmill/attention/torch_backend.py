@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionLayer, PendingRotary
-from tokenmill.attention.context import AttentionMetadata, KVCacheLayer
+from tokenmill.attention.metadata import AttentionMetadata, KVCacheLayer
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -15,7 +15,7 @@ Same semantics as :class:`~tokenmill.attention.torch_backend.TorchAttentionBacke
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionLayer, PendingRotary
-from tokenmill.attention.context import AttentionMetadata, KVCacheLayer
+from tokenmill.attention.metadata import AttentionMetadata, KVCacheLayer
 from tokenmill.kernels.kv_write import write_kv
 from tokenmill.kernels.paged_attention import (
     DecodeConfig,

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.context import KVCacheLayer
+from tokenmill.attention.metadata import KVCacheLayer
 
 _GIB = 1024**3
 

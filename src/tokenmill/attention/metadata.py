@@ -1,14 +1,10 @@
-"""Per-step attention metadata and the global forward context that carries it to model code."""
+"""What attention needs to know about a step: where each sequence's tokens are, and the KV pool."""
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from tokenmill.attention.backend import AttentionBackend
 
 
 @dataclass(frozen=True)
@@ -48,10 +44,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
-    @property
-    def uses_kv_cache(self) -> bool:
-        return self.slot_mapping is not None
-
     @classmethod
     def for_prefill(
         cls, query_lens: Sequence[int], device: torch.device | str = "cpu"
@@ -62,29 +54,3 @@ class AttentionMetadata:
         starts[1:] = torch.cumsum(lens, 0)
         longest = max(query_lens)
         return cls(query_start_loc=starts, seq_lens=lens, max_query_len=longest, max_seq_len=longest)
-
-
-@dataclass
-class ForwardContext:
-    metadata: AttentionMetadata
-    backend: "AttentionBackend"
-    kv_caches: Sequence[KVCacheLayer] | None = None  # indexed by layer; None recomputes everything
-
-
-_current: ForwardContext | None = None
-
-
-def get_forward_context() -> ForwardContext:
-    if _current is None:
-        raise RuntimeError("the model was called outside forward_context(); the engine sets one per step")
-    return _current
-
-
-@contextmanager
-def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    global _current
-    previous, _current = _current, ctx
-    try:
-        yield ctx
-    finally:
-        _current = previous
