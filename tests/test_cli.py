@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tokenmill.cli import BENCHMARKS, EXIT_BAD_INPUT, main
-from tokenmill.config import EngineConfig
+from tokenmill.config import FLAT_OPTIONS, GROUPS, EngineConfig
 from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
 
 
@@ -33,7 +33,10 @@ def test_every_engine_config_field_is_a_flag_and_round_trips() -> None:
     parser = argparse.ArgumentParser()
     add_engine_config_arguments(parser)
     flags = {action.dest for action in parser._actions}
-    assert {field.name for field in fields(EngineConfig)} <= flags
+    settings = [f.name for f in fields(EngineConfig) if f.name not in GROUPS]
+    settings += [f"{group}.{f.name}" for group, cls in GROUPS.items() for f in fields(cls)]
+    assert len(FLAT_OPTIONS) == len(settings), "every setting of every group has one flat name"
+    assert set(FLAT_OPTIONS) <= flags
     args = parser.parse_args(
         ["--prefix-caching", "--max-num-seqs", "3", "--scheduling-policy", "priority", "--no-debug-checks"]
     )
@@ -45,7 +48,12 @@ def test_every_engine_config_field_is_a_flag_and_round_trips() -> None:
         "debug_checks": False,
     }
     config = EngineConfig().with_options(**options)
-    assert (config.prefix_caching, config.max_num_seqs, config.scheduling_policy) == (True, 3, "priority")
+    assert (config.kv.prefix_caching, config.scheduler.max_num_seqs, config.scheduler.policy) == (
+        True,
+        3,
+        "priority",
+    )
+    assert config.options()["scheduling_policy"] == "priority"
 
 
 def test_a_bad_engine_flag_value_is_refused_by_the_parser(capsys: Any) -> None:
