@@ -3,6 +3,7 @@
 import argparse
 import json
 import random
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 
 from tiny_models import save_tiny_model
 from tokenmill.attention.triton_backend import TritonAttentionBackend
-from tokenmill.benchmarks import hf_peer, ladder, latency, throughput
+from tokenmill.benchmarks import hf_peer, ladder, latency, report, throughput
 from tokenmill.benchmarks.correctness import LOGPROB_TOLERANCE, check_fast_path
 from tokenmill.benchmarks.measure import RunResult, compare_outputs, percentile, run_engine
 from tokenmill.benchmarks.workload import WorkloadSpec, build_workload, corpus_slice, parse_length_range
@@ -108,24 +109,35 @@ def test_missing_continuous_batching_is_reported_not_crashed() -> None:
 # -- ladder ------------------------------------------------------------------------------------------------
 
 
-def _ladder_args(folder: Path, report_dir: Path) -> list[str]:
+def _ladder_args(folder: Path, report_dir: Path | None) -> list[str]:
     ranges = ["--input-len-range", "4-12", "--output-len-range", "3-8", "--batch-size", "2"]
-    return ["--model", str(folder), *TINY_WORKLOAD, *ranges, "--report-dir", str(report_dir)]
+    where = [] if report_dir is None else ["--report-dir", str(report_dir)]
+    return ["--model", str(folder), *TINY_WORKLOAD, *ranges, *where]
 
 
-def test_ladder_reports_every_rung(tiny_llama_folder: Path, tmp_path: Path, capsys: Any) -> None:
-    assert ladder.main(_ladder_args(tiny_llama_folder, tmp_path)) == 0
-    assert {p.name for p in tmp_path.iterdir()} >= {"ladder.md", "ladder.json", "ladder.png"}
-    markdown = (tmp_path / "ladder.md").read_text()
+def test_ladder_reports_every_rung(
+    tiny_llama_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setenv(report.REPORT_DIR_ENV, str(tmp_path))  # no --report-dir: the default folder
+    assert ladder.main(_ladder_args(tiny_llama_folder, None)) == 0
+    folder = tmp_path / "ladder-cpu"
+    assert {p.name for p in folder.iterdir()} >= {"ladder.md", "ladder.json", "ladder.png"}
+    markdown = (folder / "ladder.md").read_text()
     cpu_rungs = [rung for rung in ladder.RUNGS if not rung.cuda_only]  # Triton / CUDA graph rungs skipped
     for index, rung in enumerate(cpu_rungs):
         assert f"| {index + 1}. {rung.name} " in markdown
-    assert "HF generate (batch 2)" in markdown and "hardware:" in markdown and "workload:" in markdown
-    report = json.loads((tmp_path / "ladder.json").read_text())
-    assert [r["name"] for r in report["rungs"]] == [rung.name for rung in cpu_rungs]
-    assert report["hf_matching_requests"] == 4
-    assert report["rungs"][0]["peak_kv_reserved_bytes"] == 0 and report["rungs"][1]["kv_pool_bytes"] > 0
-    assert "every rung's greedy tokens equal those of 'recompute'" in capsys.readouterr().out
+    assert (
+        "HF generate (batch 2)" in markdown
+        and "workload:" in markdown
+        and "![ladder](ladder.png)" in markdown
+    )
+    assert markdown.startswith("- commit: ") and "\n- machine: " in markdown and "\n- date: " in markdown
+    written = json.loads((folder / "ladder.json").read_text())
+    assert [r["name"] for r in written["rungs"]] == [rung.name for rung in cpu_rungs]
+    assert written["hf_matching_requests"] == 4 and written["provenance"]["machine"]
+    assert written["rungs"][0]["peak_kv_reserved_bytes"] == 0 and written["rungs"][1]["kv_pool_bytes"] > 0
+    out = capsys.readouterr().out
+    assert "every rung's greedy tokens equal those of 'recompute'" in out and f"to {folder}" in out
 
 
 def test_gpu_rungs_each_add_one_fast_path_toggle_to_the_paged_rung() -> None:
@@ -153,7 +165,7 @@ def test_paged_rung_keeps_the_contiguous_kv_budget() -> None:
 def test_ladder_refuses_to_report_a_rung_that_changed_the_tokens(
     tiny_llama_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    measure = ladder.measure_rung
+    measure = ladder.command.measure_rung
 
     def broken(name: str, *args: Any) -> RunResult:
         result = measure(name, *args)
@@ -161,12 +173,62 @@ def test_ladder_refuses_to_report_a_rung_that_changed_the_tokens(
             result.output_token_ids["req-1"][-1] += 1
         return result
 
-    monkeypatch.setattr(ladder, "measure_rung", broken)
+    monkeypatch.setattr(ladder.command, "measure_rung", broken)
     argv = [*_ladder_args(tiny_llama_folder, tmp_path), "--skip-hf", "--rungs", "recompute", "paged KV"]
     assert ladder.main(argv) != 0
     assert not (tmp_path / "ladder.md").exists()
     error = capsys.readouterr().err
     assert "CORRECTNESS CHECK FAILED" in error and "paged KV" in error and "req-1" in error
+
+
+# -- provenance and where reports go ---------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_reports_default_outside_the_repository(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from the repository root, with nothing set, a benchmark writes nowhere in the repository (so not
+    over the committed reports/); TOKENMILL_REPORT_DIR moves the default; --report-dir wins over both."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv(report.REPORT_DIR_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    default = report.report_dir(None, "ladder-cpu").resolve()
+    assert not default.is_relative_to(REPO) and not default.is_relative_to(Path.cwd().resolve())
+    assert default.name == "ladder-cpu"
+    monkeypatch.setenv(report.REPORT_DIR_ENV, "/somewhere/reports")
+    assert report.report_dir(None, "ladder-cpu") == Path("/somewhere/reports/ladder-cpu")
+    assert report.report_dir(Path("reports/ladder-cpu"), "ladder-cpu") == Path("reports/ladder-cpu")
+    parser = argparse.ArgumentParser()
+    ladder.add_arguments(parser)
+    assert parser.parse_args([]).report_dir is None  # no folder of its own: the default above
+
+
+def test_provenance_names_commit_command_machine_and_date() -> None:
+    hardware = report.Hardware("cpu", "Test CPU", "1 core")
+    header = report.provenance_header(
+        hardware, ["/usr/bin/tokenmill", "bench", "ladder", "--rungs", "paged KV"]
+    )
+    lines = header.splitlines()
+    assert lines[0].startswith("- commit: ") and lines[0] != "- commit: "
+    assert lines[1] == "- command: `tokenmill bench ladder --rungs 'paged KV'`"
+    assert lines[2] == f"- machine: {hardware.describe()}" and lines[3].startswith("- date: 20")
+    assert header.endswith("\n\n")
+    commit = lines[0].removeprefix("- commit: ")
+    if Path(report.__file__).resolve().is_relative_to(REPO) and (REPO / ".git").exists():
+        # tokenmill runs from this checkout: the short hash of HEAD, marked when the tree has changes
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        assert commit.removesuffix("+dirty") == head.stdout.strip()
+
+
+def test_provenance_without_git_or_a_checkout_says_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert report.source_commit(tmp_path) == "unknown"  # not a checkout
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git at all
+    assert report.source_commit() == "unknown"
+    assert report.provenance("a machine").commit == "unknown"
 
 
 # -- latency and throughput --------------------------------------------------------------------------------
@@ -176,7 +238,8 @@ def test_latency_prints_both_engines_and_bandwidth(tiny_llama_folder: Path, caps
     argv = ["--model", str(tiny_llama_folder), "--input-len", "8", "--output-len", "4", "--iters", "1"]
     assert latency.main(argv) == 0
     out = capsys.readouterr().out
-    assert "tokenmill " in out and "HF generate " in out and "copy bandwidth" in out and "hardware:" in out
+    assert "tokenmill " in out and "HF generate " in out and "copy bandwidth" in out and "- machine: " in out
+    assert "- commit: " in out and "- command: " in out
 
 
 def test_decode_bytes_count_the_lookup_table_once(tiny_llama_folder: Path) -> None:
@@ -202,8 +265,9 @@ def test_throughput_writes_its_report(tiny_llama_folder: Path, tmp_path: Path, c
     assert throughput.main([*argv, "--hf-batch-size", "2", "--report-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "tokenmill / HF generate (static, batch 2)" in out
-    report = json.loads((tmp_path / "throughput.json").read_text())
-    assert len(report["results"]) == 2 and report["results"][0]["output_tokens"] > 0
+    written = json.loads((tmp_path / "throughput.json").read_text())
+    assert len(written["results"]) == 2 and written["results"][0]["output_tokens"] > 0
+    assert (tmp_path / "throughput.md").read_text().startswith("- commit: ")
 
 
 def test_throughput_refuses_when_batched_tokens_differ(
