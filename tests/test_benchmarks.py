@@ -3,6 +3,7 @@
 import argparse
 import json
 import random
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 
 from tiny_models import save_tiny_model
 from tokenmill.attention.triton_backend import TritonAttentionBackend
-from tokenmill.benchmarks import hf_peer, ladder, latency, throughput
+from tokenmill.benchmarks import hf_peer, ladder, latency, report, throughput
 from tokenmill.benchmarks.correctness import LOGPROB_TOLERANCE, check_fast_path
 from tokenmill.benchmarks.measure import RunResult, compare_outputs, percentile, run_engine
 from tokenmill.benchmarks.workload import WorkloadSpec, build_workload, corpus_slice, parse_length_range
@@ -89,7 +90,7 @@ def test_dummy_weights_copied_into_hf_give_the_same_tokens(architecture: str, tm
     save_tiny_model(architecture, tmp_path)
     loaded = load_model(tmp_path / "config.json", load_format="dummy", seed=3)
     workload = build_workload(WorkloadSpec(3, (4, 12), (3, 8)), None, loaded.config.vocab_size)
-    config = EngineConfig(device="cpu", max_model_len=64, num_kv_blocks=32)
+    config = EngineConfig().with_options(device="cpu", max_model_len=64, num_kv_blocks=32)
     ours = run_engine(LLMEngine(config, loaded=loaded), workload, "ours")
     peer = hf_peer.build_hf_peer(loaded)
     theirs = peer.run_static(workload, batch_size=2)
@@ -108,52 +109,65 @@ def test_missing_continuous_batching_is_reported_not_crashed() -> None:
 # -- ladder ------------------------------------------------------------------------------------------------
 
 
-def _ladder_args(folder: Path, report_dir: Path) -> list[str]:
+def _ladder_args(folder: Path, report_dir: Path | None) -> list[str]:
     ranges = ["--input-len-range", "4-12", "--output-len-range", "3-8", "--batch-size", "2"]
-    return ["--model", str(folder), *TINY_WORKLOAD, *ranges, "--report-dir", str(report_dir)]
+    where = [] if report_dir is None else ["--report-dir", str(report_dir)]
+    return ["--model", str(folder), *TINY_WORKLOAD, *ranges, *where]
 
 
-def test_ladder_reports_every_rung(tiny_llama_folder: Path, tmp_path: Path, capsys: Any) -> None:
-    assert ladder.main(_ladder_args(tiny_llama_folder, tmp_path)) == 0
-    assert {p.name for p in tmp_path.iterdir()} >= {"ladder.md", "ladder.json", "ladder.png"}
-    markdown = (tmp_path / "ladder.md").read_text()
+def test_ladder_reports_every_rung(
+    tiny_llama_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setenv(report.REPORT_DIR_ENV, str(tmp_path))  # no --report-dir: the default folder
+    assert ladder.main(_ladder_args(tiny_llama_folder, None)) == 0
+    folder = tmp_path / "ladder-cpu"
+    assert {p.name for p in folder.iterdir()} >= {"ladder.md", "ladder.json", "ladder.png"}
+    markdown = (folder / "ladder.md").read_text()
     cpu_rungs = [rung for rung in ladder.RUNGS if not rung.cuda_only]  # Triton / CUDA graph rungs skipped
     for index, rung in enumerate(cpu_rungs):
         assert f"| {index + 1}. {rung.name} " in markdown
-    assert "HF generate (batch 2)" in markdown and "hardware:" in markdown and "workload:" in markdown
-    report = json.loads((tmp_path / "ladder.json").read_text())
-    assert [r["name"] for r in report["rungs"]] == [rung.name for rung in cpu_rungs]
-    assert report["hf_matching_requests"] == 4
-    assert report["rungs"][0]["peak_kv_reserved_bytes"] == 0 and report["rungs"][1]["kv_pool_bytes"] > 0
-    assert "every rung's greedy tokens equal those of 'recompute'" in capsys.readouterr().out
+    assert (
+        "HF generate (batch 2)" in markdown
+        and "workload:" in markdown
+        and "![ladder](ladder.png)" in markdown
+    )
+    assert markdown.startswith("- commit: ") and "\n- machine: " in markdown and "\n- date: " in markdown
+    written = json.loads((folder / "ladder.json").read_text())
+    assert [r["name"] for r in written["rungs"]] == [rung.name for rung in cpu_rungs]
+    assert written["hf_matching_requests"] == 4 and written["provenance"]["machine"]
+    assert written["rungs"][0]["peak_kv_reserved_bytes"] == 0 and written["rungs"][1]["kv_pool_bytes"] > 0
+    out = capsys.readouterr().out
+    assert "every rung's greedy tokens equal those of 'recompute'" in out and f"to {folder}" in out
 
 
 def test_gpu_rungs_each_add_one_fast_path_toggle_to_the_paged_rung() -> None:
     setup = ladder.LadderSetup(batch_size=8, num_requests=32, max_model_len=192, block_size=16)
-    base = EngineConfig(cuda_graph_logits=False, **dict.fromkeys(FUSED_KERNEL_TOGGLES, False))
+    base = EngineConfig().with_options(cuda_graph_logits=False, **dict.fromkeys(FUSED_KERNEL_TOGGLES, False))
     configs = {rung.name: config for rung, config in ladder.rung_configs(base, setup, ladder.RUNGS)}
     paged, triton = configs["paged KV"], configs["Triton attention"]
-    assert (paged.attention_backend, triton.attention_backend) == ("torch", "triton")
-    assert not any(getattr(triton, name) for name in FUSED_KERNEL_TOGGLES)
-    assert all(getattr(configs["fused kernels"], name) for name in FUSED_KERNEL_TOGGLES)
-    assert not configs["fused kernels"].cuda_graphs and configs["CUDA graphs"].cuda_graphs
-    assert configs["logits in graphs"].cuda_graph_logits and not configs["CUDA graphs"].cuda_graph_logits
-    assert configs["overlapped decode"].overlap_decode and not configs["logits in graphs"].overlap_decode
+    assert (paged.kernels.attention_backend, triton.kernels.attention_backend) == ("torch", "triton")
+    assert not any(triton.option(name) for name in FUSED_KERNEL_TOGGLES)
+    assert all(configs["fused kernels"].option(name) for name in FUSED_KERNEL_TOGGLES)
+    assert not configs["fused kernels"].graphs.enabled and configs["CUDA graphs"].graphs.enabled
+    assert configs["logits in graphs"].graphs.logits and not configs["CUDA graphs"].graphs.logits
+    overlapped, logits = configs["overlapped decode"].graphs, configs["logits in graphs"].graphs
+    assert overlapped.overlap_decode and not logits.overlap_decode
 
 
 def test_paged_rung_keeps_the_contiguous_kv_budget() -> None:
     setup = ladder.LadderSetup(batch_size=8, num_requests=32, max_model_len=192, block_size=16)
     configs = {rung.name: config for rung, config in ladder.rung_configs(EngineConfig(), setup, ladder.RUNGS)}
     paged = configs["paged KV"]
-    assert paged.kv_cache == "paged" and paged.batching == "continuous"
-    assert paged.num_kv_blocks * 16 == 8 * 192 and paged.max_num_seqs == 32
-    assert configs["static batching"].max_num_seqs == 8 and configs["recompute"].kv_cache == "none"
+    assert paged.kv.mode == "paged" and paged.scheduler.batching == "continuous"
+    assert paged.kv.num_blocks is not None and paged.kv.num_blocks * 16 == 8 * 192
+    assert paged.scheduler.max_num_seqs == 32
+    assert configs["static batching"].scheduler.max_num_seqs == 8 and configs["recompute"].kv.mode == "none"
 
 
 def test_ladder_refuses_to_report_a_rung_that_changed_the_tokens(
     tiny_llama_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    measure = ladder.measure_rung
+    measure = ladder.command.measure_rung
 
     def broken(name: str, *args: Any) -> RunResult:
         result = measure(name, *args)
@@ -161,12 +175,62 @@ def test_ladder_refuses_to_report_a_rung_that_changed_the_tokens(
             result.output_token_ids["req-1"][-1] += 1
         return result
 
-    monkeypatch.setattr(ladder, "measure_rung", broken)
+    monkeypatch.setattr(ladder.command, "measure_rung", broken)
     argv = [*_ladder_args(tiny_llama_folder, tmp_path), "--skip-hf", "--rungs", "recompute", "paged KV"]
     assert ladder.main(argv) != 0
     assert not (tmp_path / "ladder.md").exists()
     error = capsys.readouterr().err
     assert "CORRECTNESS CHECK FAILED" in error and "paged KV" in error and "req-1" in error
+
+
+# -- provenance and where reports go ---------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_reports_default_outside_the_repository(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from the repository root, with nothing set, a benchmark writes nowhere in the repository (so not
+    over the committed reports/); TOKENMILL_REPORT_DIR moves the default; --report-dir wins over both."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv(report.REPORT_DIR_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    default = report.report_dir(None, "ladder-cpu").resolve()
+    assert not default.is_relative_to(REPO) and not default.is_relative_to(Path.cwd().resolve())
+    assert default.name == "ladder-cpu"
+    monkeypatch.setenv(report.REPORT_DIR_ENV, "/somewhere/reports")
+    assert report.report_dir(None, "ladder-cpu") == Path("/somewhere/reports/ladder-cpu")
+    assert report.report_dir(Path("reports/ladder-cpu"), "ladder-cpu") == Path("reports/ladder-cpu")
+    parser = argparse.ArgumentParser()
+    ladder.add_arguments(parser)
+    assert parser.parse_args([]).report_dir is None  # no folder of its own: the default above
+
+
+def test_provenance_names_commit_command_machine_and_date() -> None:
+    hardware = report.Hardware("cpu", "Test CPU", "1 core")
+    header = report.provenance_header(
+        hardware, ["/usr/bin/tokenmill", "bench", "ladder", "--rungs", "paged KV"]
+    )
+    lines = header.splitlines()
+    assert lines[0].startswith("- commit: ") and lines[0] != "- commit: "
+    assert lines[1] == "- command: `tokenmill bench ladder --rungs 'paged KV'`"
+    assert lines[2] == f"- machine: {hardware.describe()}" and lines[3].startswith("- date: 20")
+    assert header.endswith("\n\n")
+    commit = lines[0].removeprefix("- commit: ")
+    if Path(report.__file__).resolve().is_relative_to(REPO) and (REPO / ".git").exists():
+        # tokenmill runs from this checkout: the short hash of HEAD, marked when the tree has changes
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        assert commit.removesuffix("+dirty") == head.stdout.strip()
+
+
+def test_provenance_without_git_or_a_checkout_says_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert report.source_commit(tmp_path) == "unknown"  # not a checkout
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git at all
+    assert report.source_commit() == "unknown"
+    assert report.provenance("a machine").commit == "unknown"
 
 
 # -- latency and throughput --------------------------------------------------------------------------------
@@ -176,7 +240,8 @@ def test_latency_prints_both_engines_and_bandwidth(tiny_llama_folder: Path, caps
     argv = ["--model", str(tiny_llama_folder), "--input-len", "8", "--output-len", "4", "--iters", "1"]
     assert latency.main(argv) == 0
     out = capsys.readouterr().out
-    assert "tokenmill " in out and "HF generate " in out and "copy bandwidth" in out and "hardware:" in out
+    assert "tokenmill " in out and "HF generate " in out and "copy bandwidth" in out and "- machine: " in out
+    assert "- commit: " in out and "- command: " in out
 
 
 def test_decode_bytes_count_the_lookup_table_once(tiny_llama_folder: Path) -> None:
@@ -202,8 +267,9 @@ def test_throughput_writes_its_report(tiny_llama_folder: Path, tmp_path: Path, c
     assert throughput.main([*argv, "--hf-batch-size", "2", "--report-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "tokenmill / HF generate (static, batch 2)" in out
-    report = json.loads((tmp_path / "throughput.json").read_text())
-    assert len(report["results"]) == 2 and report["results"][0]["output_tokens"] > 0
+    written = json.loads((tmp_path / "throughput.json").read_text())
+    assert len(written["results"]) == 2 and written["results"][0]["output_tokens"] > 0
+    assert (tmp_path / "throughput.md").read_text().startswith("- commit: ")
 
 
 def test_throughput_refuses_when_batched_tokens_differ(
@@ -238,7 +304,9 @@ def test_throughput_refuses_when_batched_tokens_differ(
 
 def test_fast_path_check_passes_for_triton_attention(tiny_llama_folder: Path) -> None:
     loaded = load_model(tiny_llama_folder, dtype="float32")
-    config = EngineConfig(device="cpu", attention_backend="triton", num_kv_blocks=64, block_size=4)
+    config = EngineConfig().with_options(
+        device="cpu", attention_backend="triton", num_kv_blocks=64, block_size=4
+    )
     check = check_fast_path(config, loaded, [[5, 6, 7, 8, 9], [10, 11, 12], [13] * 9], max_tokens=6)
     assert check.passed, check.describe()
     assert check.toggles["attention_backend"] == "triton" and check.num_tokens == 18
@@ -253,7 +321,9 @@ def test_fast_path_check_catches_a_wrong_kernel(tiny_llama_folder: Path, monkeyp
         return real_forward(self, *args, **kwargs) * 1.01
 
     monkeypatch.setattr(TritonAttentionBackend, "forward", off_by_a_little)
-    config = EngineConfig(device="cpu", attention_backend="triton", num_kv_blocks=64, block_size=4)
+    config = EngineConfig().with_options(
+        device="cpu", attention_backend="triton", num_kv_blocks=64, block_size=4
+    )
     check = check_fast_path(config, loaded, [[5, 6, 7, 8, 9], [10, 11, 12]], max_tokens=6)
     assert not check.passed and "FAILED" in check.describe()
     assert check.max_logprob_diff > LOGPROB_TOLERANCE

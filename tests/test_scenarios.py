@@ -283,7 +283,8 @@ def test_a_tiny_run_reports_every_workload_off_and_on(
     assert by_name["prefix_caching"]["target"]["target"].startswith("with prefix caching")
     markdown = (tmp_path / "scenarios.md").read_text()
     assert "| static " in markdown and "| continuous " in markdown and "| on / off " in markdown
-    assert "hardware:" in markdown and "baseline:" in markdown
+    assert markdown.startswith("- commit: ") and "\n- machine: " in markdown and "baseline:" in markdown
+    assert json.loads((tmp_path / "scenarios.json").read_text())["provenance"]["command"]
     assert all((tmp_path / f"{name}.png").is_file() for name in command.WORKLOADS)
     assert "greedy outputs identical off and on" in capsys.readouterr().out
 

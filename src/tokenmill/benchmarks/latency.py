@@ -21,8 +21,15 @@ from tokenmill.benchmarks import common
 from tokenmill.benchmarks.common import run_as_script
 from tokenmill.benchmarks.correctness import check_fast_path
 from tokenmill.benchmarks.hf_peer import HFPeer, build_hf_peer
-from tokenmill.benchmarks.measure import median, synchronize
-from tokenmill.benchmarks.report import describe_model, detect_hardware, fmt_bytes, header_lines
+from tokenmill.benchmarks.measure import synchronize
+from tokenmill.benchmarks.report import (
+    describe_model,
+    detect_hardware,
+    fmt_bytes,
+    header_lines,
+    provenance_header,
+)
+from tokenmill.benchmarks.stats import median
 from tokenmill.benchmarks.workload import WorkloadSpec, greedy_params
 from tokenmill.cache.kv_pool import kv_bytes_per_token
 from tokenmill.config import EngineConfig
@@ -167,8 +174,8 @@ def run(args: argparse.Namespace) -> int:
     config_text = f"kv_cache={config.kv.mode}, batching={config.scheduler.batching}"
     workload_text = f"batch 1, {workload.describe()}, median of {args.iters} runs; tokenmill {config_text}"
     hardware = detect_hardware(loaded.device)
-    header = header_lines("tokenmill latency", workload_text, hardware, describe_model(loaded), peer_text)
-    print("\n".join(header))
+    header = header_lines("tokenmill latency", workload_text, describe_model(loaded), peer_text)
+    print(provenance_header(hardware) + "\n".join(header))
     _warn_if_different(ours, theirs)
     print_results(ours, theirs, loaded, args.input_len + args.output_len // 2, bandwidth, args.input_len)
     return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.benchmarks.report import detect_hardware, provenance
 from tokenmill.loading import load_model
 
 
@@ -95,9 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     report = measure_load_memory(args.model, args.device, args.dtype, args.load_format)
+    origin = provenance(detect_hardware(torch.device(args.device)))
     if args.json:
-        print(json.dumps({**asdict(report), "peak_over_params": report.peak_over_params}))
+        payload = {**asdict(report), "peak_over_params": report.peak_over_params}
+        print(json.dumps({**payload, "provenance": origin.to_json()}))
         return 0
+    print(origin.markdown(), end="")
     print(f"model {report.model} on {report.device} in {report.dtype}, loaded in {report.seconds:.2f} s")
     print(f"parameters + buffers: {report.param_bytes / 2**20:.1f} MiB")
     print(f"peak while loading:   {report.peak_bytes / 2**20:.1f} MiB ({report.peak_over_params:.2f}x)")

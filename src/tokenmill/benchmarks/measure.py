@@ -6,20 +6,22 @@
 
 import contextlib
 import gc
-import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from tokenmill.benchmarks.stats import mean, percentile
 from tokenmill.benchmarks.workload import BenchRequest, Workload
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel
 from tokenmill.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -57,25 +59,6 @@ class RunResult:
 
     def tpot_p99_s(self) -> float:
         return percentile(self.tpots(), 99)
-
-
-def mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default method)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def median(values: Sequence[float]) -> float:
-    return percentile(values, 50)
 
 
 # -- memory -------------------------------------------------------------------------------------------
@@ -196,20 +179,32 @@ def _add_arrived(
     return pending[arrived:]
 
 
+def on_fresh_engine(config: EngineConfig, loaded: LoadedModel, use: Callable[[LLMEngine], T]) -> T:
+    """Build an engine over ``loaded``, ``use`` it (warm-up and measured run), then free its KV pool, so
+    the next config measured in this process starts with the memory this one had."""
+    engine = LLMEngine(config, loaded=loaded)
+    try:
+        return use(engine)
+    finally:
+        del engine
+        gc.collect()
+        if loaded.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def measure_engine(
     config: EngineConfig, loaded: LoadedModel, workload: Workload, label: str, show_progress: bool = True
 ) -> RunResult:
     """Build an engine over ``loaded``, warm it up, serve ``workload``, then free the engine's KV pool."""
-    engine = LLMEngine(config, loaded=loaded)
-    warm_up_engine(engine, workload)
-    with progress_bar(workload.max_output_tokens, label, show_progress) as bar:
-        result = run_engine(engine, workload, label, progress=bar)
-    result.extra["preemptions"] = engine.scheduler_stats().num_preemptions
-    del engine
-    gc.collect()
-    if loaded.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
+
+    def serve(engine: LLMEngine) -> RunResult:
+        warm_up_engine(engine, workload)
+        with progress_bar(workload.max_output_tokens, label, show_progress) as bar:
+            result = run_engine(engine, workload, label, progress=bar)
+        result.extra["preemptions"] = engine.scheduler_stats().num_preemptions
+        return result
+
+    return on_fresh_engine(config, loaded, serve)
 
 
 @contextlib.contextmanager

@@ -1,10 +1,21 @@
-"""What every benchmark report carries: the hardware, the model, number formatting, tables, files."""
+"""What every benchmark report carries: its provenance (commit, command, machine, date), the hardware, the
+model, number formatting, tables, plots, and where the files go.
+
+Every Markdown report starts with ``provenance_header``; every plot carries the same in its PNG metadata.
+Reports go to ``default_report_dir`` unless ``--report-dir`` says otherwise: never into the source tree
+(the committed ``reports/`` is written only when asked for by name).
+"""
 
 import json
 import os
 import platform
+import shlex
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +51,14 @@ def cpu_model_name() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def client_machine() -> str:
+    """This machine for a client-only benchmark (no torch device involved): CPU, cores, Python, OS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (
+        f"{cpu_model_name()}, {cores} cores usable; Python {platform.python_version()}, {platform.system()}"
+    )
 
 
 def describe_model(loaded: LoadedModel) -> str:
@@ -89,12 +108,162 @@ def write_json(path: Path, payload: dict[str, Any], indent: int | None = 2) -> N
     path.write_text(json.dumps(payload, indent=indent, default=str) + "\n")
 
 
-def header_lines(title: str, workload: str, hardware: Hardware, model: str, peer: str) -> list[str]:
-    return [
-        f"# {title}",
-        "",
-        f"- workload: {workload}",
-        f"- hardware: {hardware.describe()}",
-        f"- model: {model}",
-        f"- peer: {peer}",
-    ]
+def header_lines(title: str, workload: str, model: str, peer: str) -> list[str]:
+    """The title and what was run; the machine is in the provenance header above it."""
+    return [f"# {title}", "", f"- workload: {workload}", f"- model: {model}", f"- peer: {peer}"]
+
+
+# -- provenance --------------------------------------------------------------------------------------
+
+UNKNOWN = "unknown"
+_PACKAGE = Path(__file__).resolve().parents[1]  # tokenmill/, in a checkout or installed
+_GIT_TIMEOUT_S = 10
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Which code, run how, on what, when: enough to rerun a report or tell two apart."""
+
+    commit: str  # short hash, "+dirty" with uncommitted changes, or "unknown"
+    command: str  # shell-quoted, as invoked
+    machine: str
+    date: str  # UTC, ISO 8601
+
+    def markdown(self) -> str:
+        """The header a Markdown report starts with: four list lines, then a blank line."""
+        fence = "``" if "`" in self.command else "`"
+        pad = " " if fence == "``" else ""
+        return (
+            f"- commit: {self.commit}\n"
+            f"- command: {fence}{pad}{self.command}{pad}{fence}\n"
+            f"- machine: {self.machine}\n"
+            f"- date: {self.date}\n\n"
+        )
+
+    def to_json(self) -> dict[str, str]:
+        return asdict(self)
+
+    def png_metadata(self) -> dict[str, str]:
+        """PNG text chunks (latin-1, as the format wants) carrying the same four facts."""
+        chunks = {
+            "Software": f"tokenmill {self.commit}",
+            "Comment": self.command,
+            "Source": self.machine,
+            "Creation Time": self.date,
+        }
+        return {key: value.encode("latin-1", "replace").decode("latin-1") for key, value in chunks.items()}
+
+
+def provenance(machine: "Hardware | str", argv: Sequence[str] | None = None) -> Provenance:
+    """This run's provenance; ``machine`` is the hardware measured on (or a description of it)."""
+    described = machine.describe() if isinstance(machine, Hardware) else machine
+    return Provenance(
+        source_commit(), command_line(argv), described, datetime.now(UTC).isoformat(timespec="seconds")
+    )
+
+
+def provenance_header(machine: "Hardware | str", argv: Sequence[str] | None = None) -> str:
+    """What every Markdown report file starts with: commit, command line, machine and date, e.g.::
+
+    - commit: 5454942+dirty
+    - command: `tokenmill bench ladder --skip-hf`
+    - machine: AMD EPYC (2 cores usable of 2, torch threads 2); torch 2.13.0+cpu, device cpu
+    - date: 2026-11-23T10:00:00+00:00
+    """
+    return provenance(machine, argv).markdown()
+
+
+def source_commit(package: Path = _PACKAGE) -> str:
+    """``git rev-parse --short HEAD`` of the checkout tokenmill runs from, plus "+dirty" when tracked files
+    differ from it; "unknown" when tokenmill is not a tracked part of a git checkout (an installed wheel,
+    a copy) or git is missing. Never raises."""
+    try:
+        _git(package, "ls-files", "--error-unmatch", "__init__.py")  # a checkout, and tokenmill's own
+        commit = _git(package, "rev-parse", "--short", "HEAD")
+        changes = _git(package, "status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError, UnicodeDecodeError):
+        return UNKNOWN
+    return commit + ("+dirty" if changes else "") if commit else UNKNOWN
+
+
+def _git(directory: Path, *args: str) -> str:
+    result = subprocess.run(
+        ["git", "-C", str(directory), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=_GIT_TIMEOUT_S,
+    )
+    return result.stdout.strip()
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as invoked, shell-quoted, the program by its name (``tokenmill bench ladder ...``); run
+    as ``python -m`` (or a ``.py`` file), the interpreter's own command line (``python3 -m ...``)."""
+    if argv is None:
+        module_run = not sys.argv or sys.argv[0] in ("", "-c") or sys.argv[0].endswith(".py")
+        argv = sys.orig_argv if module_run else sys.argv
+    if not argv:
+        return UNKNOWN
+    return shlex.join([Path(argv[0]).name, *argv[1:]])
+
+
+# -- where reports go --------------------------------------------------------------------------------
+
+REPORT_DIR_ENV = "TOKENMILL_REPORT_DIR"
+
+
+def default_report_dir(name: str) -> Path:
+    """Where a benchmark writes ``name`` (e.g. ``ladder-cpu``) when no ``--report-dir`` is given:
+    ``$TOKENMILL_REPORT_DIR/<name>`` when that is set, else ``<cache>/tokenmill/reports/<name>`` with
+    ``<cache>`` = ``$XDG_CACHE_HOME`` or ``~/.cache``. Not the current directory, which may be the
+    repository: the committed ``reports/`` is written only when named (``--report-dir reports/...``)."""
+    root = os.environ.get(REPORT_DIR_ENV)
+    if root:
+        return Path(root).expanduser() / name
+    return user_cache_dir() / "tokenmill" / "reports" / name
+
+
+def user_cache_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME")
+    if cache and Path(cache).is_absolute():
+        return Path(cache)
+    try:
+        return Path.home() / ".cache"
+    except RuntimeError:  # no home directory to be found
+        return Path(tempfile.gettempdir())
+
+
+def report_dir(given: Path | None, name: str) -> Path:
+    """``--report-dir`` if given, else the default for ``name``."""
+    return given if given is not None else default_report_dir(name)
+
+
+def device_kind(hardware: Hardware) -> str:
+    """``cpu`` or ``cuda`` (no index), as report folders are named."""
+    return hardware.device.split(":")[0]
+
+
+# -- plots -------------------------------------------------------------------------------------------
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend; None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(figure: Any, path: Path, dpi: int, origin: Provenance) -> None:
+    """Lay ``figure`` out, write it as a PNG carrying ``origin`` in its metadata, and close it."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi, metadata=origin.png_metadata())
+    plt.close(figure)

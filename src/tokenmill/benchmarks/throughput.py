@@ -23,11 +23,13 @@ from tokenmill.benchmarks.hf_peer import HFPeer, PeerUnavailableError, build_hf_
 from tokenmill.benchmarks.latency import decode_bytes_per_token, measure_copy_bandwidth
 from tokenmill.benchmarks.measure import RunResult, compare_outputs, measure_engine, progress_bar
 from tokenmill.benchmarks.report import (
+    Hardware,
     describe_model,
     detect_hardware,
     fmt_bytes,
     header_lines,
     markdown_table,
+    provenance,
     write_json,
 )
 from tokenmill.benchmarks.workload import PromptSource, Workload, WorkloadSpec
@@ -174,12 +176,12 @@ def run(args: argparse.Namespace) -> int:
     peers = [] if peer is None else run_hf(peer, workload, args, show)
     peer_text = "none (--skip-hf)" if peer is None else peer.describe()
     workload_text = f"{workload.describe()}; max_model_len {max_model_len}"
-    header = header_lines("tokenmill throughput", workload_text, hardware, describe_model(loaded), peer_text)
+    header = header_lines("tokenmill throughput", workload_text, describe_model(loaded), peer_text)
     limit = limit_share(ours, workload, loaded)
     report = render(header, ours, peers, verified, limit)
     print("\n" + "\n".join(report[len(header) :]))
     if args.report_dir is not None:
-        save(args.report_dir, report, ours, peers, config)
+        save(args.report_dir, report, ours, peers, config, hardware)
     return 0
 
 
@@ -219,12 +221,25 @@ def render(
 
 
 def save(
-    folder: Path, report: list[str], ours: RunResult, peers: list[RunResult], config: EngineConfig
+    folder: Path,
+    report: list[str],
+    ours: RunResult,
+    peers: list[RunResult],
+    config: EngineConfig,
+    hardware: Hardware,
 ) -> None:
+    origin = provenance(hardware)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "throughput.md").write_text("\n".join(report) + "\n")
+    (folder / "throughput.md").write_text(origin.markdown() + "\n".join(report) + "\n")
     results = [_result_json(result) for result in [ours, *peers]]
-    write_json(folder / "throughput.json", {"report": report, "config": config.options(), "results": results})
+    payload = {
+        "provenance": origin.to_json(),
+        "report": report,
+        "config": config.options(),
+        "results": results,
+    }
+    write_json(folder / "throughput.json", payload)
+    print(f"wrote throughput.md, throughput.json to {folder}")
 
 
 def _result_json(result: RunResult) -> dict[str, Any]:

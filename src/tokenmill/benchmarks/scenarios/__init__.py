@@ -34,7 +34,10 @@ target of a workload, where it has one, is checked on the measured numbers (chun
 within 3x its p50 with the feature on; prefix_caching: TTFT p50 cut at least 2x and throughput raised).
 Greedy outputs must be identical off and on (token ids offline, text over HTTP); a workload where they
 are not gets no numbers, its differences are printed, and the command exits non-zero. Written to the
-report folder: scenarios.md, scenarios.json and a PNG per workload.
+report folder: scenarios.md (starting with its provenance: commit, command, machine, date),
+scenarios.json and a PNG per workload. The folder is ``--report-dir``, else
+``scenarios-<device>-<driver>`` (``scenarios-url`` with ``--url``) in ``$TOKENMILL_REPORT_DIR`` or
+``~/.cache/tokenmill/reports``: never the source tree unless named.
 
 Sizes come from a preset (``cpu``: all five in about ten minutes on two cores with the default model;
 ``gpu``: 48 requests on a 1024-token prefix, 4096-token prompts among streams, ...), each overridable by

@@ -5,14 +5,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tokenmill.benchmarks import common
-from tokenmill.benchmarks.report import describe_model, detect_hardware
+from tokenmill.benchmarks.report import describe_model, detect_hardware, device_kind, provenance, report_dir
 from tokenmill.benchmarks.scenarios.features import TOGGLES, config_difference
 from tokenmill.benchmarks.scenarios.report import MeasuredConfig, WorkloadResult, section, write_report
 from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
@@ -58,7 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--prompt-source", choices=("auto", "text", "random"), default="auto")
     group.add_argument(
-        "--report-dir", type=Path, default=None, help="default: reports/scenarios-<device>-<driver>"
+        "--report-dir",
+        type=Path,
+        default=None,
+        help="default: scenarios-<device>-<driver> in $TOKENMILL_REPORT_DIR or ~/.cache/tokenmill/reports",
     )
     common.add_engine_arguments(parser, exclude={f.name for f in fields(Sizes)})  # sizes set those
     _add_size_arguments(parser)
@@ -156,17 +158,16 @@ def run(args: argparse.Namespace) -> int:
     source = token_source(args.prompt_source, loaded.tokenizer, loaded.config.vocab_size)
     hardware = detect_hardware(loaded.device)
     driver = _driver_text(args.driver)
-    header = header_lines(
-        args, driver, hardware.describe(), describe_model(loaded), preset_name(args, loaded.device)
-    )
-    print("\n".join(header), flush=True)
+    header = header_lines(args, driver, describe_model(loaded), preset_name(args, loaded.device))
+    print(f"hardware: {hardware.describe()}\n" + "\n".join(header), flush=True)
     measure = _measure_for(args)
     results = []
     for name in names:
         results.append(measure_workload(name, args, loaded, sizes, source, measure))
         print("\n" + section(results[-1]), flush=True)
-    folder = args.report_dir or Path("reports") / f"scenarios-{hardware.device.split(':')[0]}-{args.driver}"
-    return finish(results, header, folder, started, {"driver": args.driver, "sizes": sizes.__dict__})
+    folder = report_dir(args.report_dir, f"scenarios-{device_kind(hardware)}-{args.driver}")
+    meta = {"driver": args.driver, "sizes": sizes.__dict__}
+    return finish(results, header, folder, started, meta, hardware.describe())
 
 
 def _driver_text(driver: str) -> str:
@@ -185,33 +186,33 @@ OFF_ON_BASELINE = (
 
 
 def header_lines(
-    args: argparse.Namespace,
-    driver: str,
-    hardware: str,
-    model: str,
-    preset: str,
-    baseline: str = OFF_ON_BASELINE,
+    args: argparse.Namespace, driver: str, model: str, preset: str, baseline: str = OFF_ON_BASELINE
 ) -> list[str]:
+    """The title and what was run; the machine and date are in the provenance header above it."""
     overrides = [f"--{flag_name(f.name)}" for f in fields(Sizes) if getattr(args, f.name) is not None]
     return [
         "# tokenmill scheduling scenarios",
         "",
         f"- driver: {driver}",
-        f"- hardware: {hardware}",
         f"- model: {model}",
         f"- baseline: {baseline}",
         f"- sizes: preset {preset}" + (f", overridden by {' '.join(overrides)}" if overrides else ""),
-        f"- date: {datetime.now(UTC).isoformat(timespec='seconds')}",
     ]
 
 
 def finish(
-    results: Sequence[WorkloadResult], header: list[str], folder: Path, started: float, meta: dict[str, Any]
+    results: Sequence[WorkloadResult],
+    header: list[str],
+    folder: Path,
+    started: float,
+    meta: dict[str, Any],
+    machine: str,
 ) -> int:
-    """Write the report, say what failed; non-zero when any outputs differed or any request failed."""
+    """Write the report (``machine``: what ran it, for its provenance), say what failed; non-zero when any
+    outputs differed or any request failed."""
     wall = time.perf_counter() - started
     header = [*header, f"- wall time: {wall:.1f} s (model load, warm-ups, every workload off and on)"]
-    written = write_report(folder, header, results, meta)
+    written = write_report(folder, header, results, meta, provenance(machine))
     print(f"wrote {', '.join(path.name for path in written)} to {folder}")
     failed = False
     for result in results:

@@ -12,19 +12,17 @@ not need it.
 """
 
 import asyncio
-import gc
 import itertools
 import time
 from typing import Any
 
 import httpx
-import torch
 
-from tokenmill.benchmarks import serve
-from tokenmill.benchmarks.measure import progress_bar
+from tokenmill.benchmarks.measure import on_fresh_engine, progress_bar
 from tokenmill.benchmarks.scenarios.offline import WARMUP_TOKENS
 from tokenmill.benchmarks.scenarios.traces import RequestTrace, ScenarioRun
 from tokenmill.benchmarks.scenarios.workloads import Scenario, Session
+from tokenmill.benchmarks.serve import client as serve_client
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel
@@ -47,23 +45,23 @@ class RemoteTokenizer:
         return [int(token) for token in response.json()["tokens"]]
 
 
-async def tokenize_async(client: httpx.AsyncClient, target: serve.Target, text: str) -> list[int]:
+async def tokenize_async(client: httpx.AsyncClient, target: serve_client.Target, text: str) -> list[int]:
     body = {"model": target.model, "prompt": text, "add_special_tokens": False}
     response = await client.post(f"{target.base_url}/tokenize", json=body, headers=target.headers)
     response.raise_for_status()
     return [int(token) for token in response.json()["tokens"]]
 
 
-def greedy_target(base_url: str, model: str, headers: dict[str, str]) -> serve.Target:
+def greedy_target(base_url: str, model: str, headers: dict[str, str]) -> serve_client.Target:
     """Greedy, exactly ``max_tokens`` tokens (ignore_eos): the same requests as the offline driver's."""
-    return serve.Target(base_url, model, headers, output_len=1, ignore_eos=True, temperature=0.0)
+    return serve_client.Target(base_url, model, headers, output_len=1, ignore_eos=True, temperature=0.0)
 
 
 # -- one run ----------------------------------------------------------------------------------------------
 
 
 class HttpDriver:
-    def __init__(self, target: serve.Target, scenario: Scenario, timeout_s: float) -> None:
+    def __init__(self, target: serve_client.Target, scenario: Scenario, timeout_s: float) -> None:
         self.target = target
         self.scenario = scenario
         self.timeout_s = timeout_s
@@ -86,7 +84,7 @@ class HttpDriver:
     async def _warm_up(self, client: httpx.AsyncClient) -> None:
         prompts = self.scenario.warmup_prompts()
         records = await asyncio.gather(
-            *(serve.send_request(client, self.target, prompt, WARMUP_TOKENS) for prompt in prompts)
+            *(serve_client.send_request(client, self.target, prompt, WARMUP_TOKENS) for prompt in prompts)
         )
         failed = [record.error for record in records if not record.ok]
         if failed:
@@ -109,7 +107,7 @@ class HttpDriver:
         self, client: httpx.AsyncClient, session: Session, index: int, prompt: list[int], max_tokens: int
     ) -> RequestTrace:
         release = self.elapsed()
-        record = await serve.send_request(client, self.target, prompt, max_tokens)
+        record = await serve_client.send_request(client, self.target, prompt, max_tokens)
         trace = RequestTrace(session.request_id(index), session.session_id, index, prompt, release)
         trace.error = record.error if not record.ok else None
         if record.ok and record.ttft_s is not None:
@@ -122,7 +120,7 @@ class HttpDriver:
 
 
 def drive(
-    target: serve.Target, scenario: Scenario, label: str, timeout_s: float, show_progress: bool
+    target: serve_client.Target, scenario: Scenario, label: str, timeout_s: float, show_progress: bool
 ) -> ScenarioRun:
     with progress_bar(scenario.max_output_tokens, f"{scenario.name} {label}", show_progress) as bar:
         return asyncio.run(HttpDriver(target, scenario, timeout_s).run(label, progress=bar))
@@ -132,7 +130,7 @@ def drive(
 
 
 def resolve_served_model(base_url: str, headers: dict[str, str], timeout_s: float) -> str:
-    return serve.resolve_model(base_url, headers, timeout_s)
+    return serve_client.resolve_model(base_url, headers, timeout_s)
 
 
 def measure_url(
@@ -157,14 +155,13 @@ def measure_in_process(
             "the serve driver needs a model with a tokenizer (the server streams text); this one has none "
             "(dummy weights): use --driver offline"
         )
-    engine = LLMEngine(config, loaded=loaded)
-    app = create_app(engine, ServerSettings(served_model_name=SERVED_MODEL_NAME))
-    with ServerThread(app) as server:
-        target = greedy_target(server.base_url, SERVED_MODEL_NAME, {})
-        run = drive(target, scenario, label, timeout_s, show_progress)
-    run.extra["preemptions"] = engine.scheduler_stats().num_preemptions
-    del engine, app
-    gc.collect()
-    if loaded.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return run
+
+    def serve_over_http(engine: LLMEngine) -> ScenarioRun:
+        app = create_app(engine, ServerSettings(served_model_name=SERVED_MODEL_NAME))
+        with ServerThread(app) as server:
+            target = greedy_target(server.base_url, SERVED_MODEL_NAME, {})
+            run = drive(target, scenario, label, timeout_s, show_progress)
+        run.extra["preemptions"] = engine.scheduler_stats().num_preemptions
+        return run
+
+    return on_fresh_engine(config, loaded, serve_over_http)

@@ -6,16 +6,13 @@ token arrives (plus the think time), with the whole history as its prompt. When 
 loop sleeps until the next release. The clock is injectable, so tests can run on a fake one.
 """
 
-import gc
 import heapq
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
-from tokenmill.benchmarks.measure import progress_bar
+from tokenmill.benchmarks.measure import on_fresh_engine, progress_bar
 from tokenmill.benchmarks.scenarios.traces import RequestTrace, ScenarioRun
 from tokenmill.benchmarks.scenarios.workloads import Scenario, Session
 from tokenmill.benchmarks.workload import greedy_params
@@ -164,13 +161,12 @@ def measure_offline(
     config: EngineConfig, loaded: LoadedModel, scenario: Scenario, label: str, show_progress: bool = True
 ) -> ScenarioRun:
     """Build an engine over ``loaded``, warm it up, run ``scenario``, then free the engine's KV pool."""
-    engine = LLMEngine(config, loaded=loaded)
-    warm_up(engine, scenario)
-    with progress_bar(scenario.max_output_tokens, f"{scenario.name} {label}", show_progress) as bar:
-        run = OfflineDriver(engine, scenario).run(label, progress=bar)
-    run.extra["preemptions"] = engine.scheduler_stats().num_preemptions
-    del engine
-    gc.collect()
-    if loaded.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return run
+
+    def drive(engine: LLMEngine) -> ScenarioRun:
+        warm_up(engine, scenario)
+        with progress_bar(scenario.max_output_tokens, f"{scenario.name} {label}", show_progress) as bar:
+            run = OfflineDriver(engine, scenario).run(label, progress=bar)
+        run.extra["preemptions"] = engine.scheduler_stats().num_preemptions
+        return run
+
+    return on_fresh_engine(config, loaded, drive)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.benchmarks.report import markdown_table, write_json
+from tokenmill.benchmarks.report import Provenance, markdown_table, pyplot, save_figure, write_json
 from tokenmill.benchmarks.scenarios.compare import (
     OutputMismatch,
     TargetCheck,
@@ -232,14 +232,10 @@ def _config_json(measured: MeasuredConfig) -> dict[str, Any]:
 # -- plot -------------------------------------------------------------------------------------------------
 
 
-def write_plot(result: WorkloadResult, path: Path) -> bool:
+def write_plot(result: WorkloadResult, path: Path, origin: Provenance) -> bool:
     """TTFT and ITL percentiles, throughput, and every ITL over the run; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     figure, axes = plt.subplots(2, 2, figsize=(12, 8))
     _percentile_bars(axes[0][0], result, "ttft_s", "TTFT")
@@ -247,10 +243,7 @@ def write_plot(result: WorkloadResult, path: Path) -> bool:
     _throughput_bars(axes[1][0], result)
     _itl_timeline(axes[1][1], result)
     figure.suptitle(f"{result.scenario.name}: {result.change}")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, 110, origin)
     return True
 
 
@@ -290,17 +283,26 @@ def _itl_timeline(axes: Any, result: WorkloadResult) -> None:
 
 
 def write_report(
-    folder: Path, header: Sequence[str], results: Sequence[WorkloadResult], meta: dict[str, Any]
+    folder: Path,
+    header: Sequence[str],
+    results: Sequence[WorkloadResult],
+    meta: dict[str, Any],
+    origin: Provenance,
 ) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = [folder / "scenarios.md", folder / "scenarios.json"]
-    written[0].write_text(document(header, results, NOTES))
-    payload = {**meta, "header": list(header), "workloads": [to_json(r) for r in results]}
+    written[0].write_text(origin.markdown() + document(header, results, NOTES))
+    payload = {
+        "provenance": origin.to_json(),
+        **meta,
+        "header": list(header),
+        "workloads": [to_json(r) for r in results],
+    }
     write_json(written[1], payload, indent=None)  # one line: every token's time is in it
     plotted = [r for r in results if r.outputs_match]
     for result in plotted:
         png = folder / f"{result.scenario.name}.png"
-        if not write_plot(result, png):
+        if not write_plot(result, png, origin):
             print("matplotlib is missing (pip install 'tokenmill[bench]'): no plots", file=sys.stderr)
             break
         written.append(png)

@@ -8,14 +8,13 @@ Prompts are built with the first server's ``/tokenize``, so they are corpus text
 
 import argparse
 from collections.abc import Sequence
-from pathlib import Path
 
+from tokenmill.benchmarks.report import client_machine, report_dir
 from tokenmill.benchmarks.scenarios import http_driver
 from tokenmill.benchmarks.scenarios.command import finish, header_lines, preset_name, sizes_for
 from tokenmill.benchmarks.scenarios.features import TOGGLES
 from tokenmill.benchmarks.scenarios.report import MeasuredConfig, WorkloadResult, section
 from tokenmill.benchmarks.scenarios.workloads import build_scenario, token_source
-from tokenmill.benchmarks.serve import client_machine
 
 MAX_SERVERS = 2
 
@@ -29,7 +28,8 @@ def run_against_servers(args: argparse.Namespace, names: Sequence[str], started:
     sizes = sizes_for(args, None)
     source = token_source("text", tokenizer, 0)
     header = _header(args, urls, model)
-    print("\n".join(header), flush=True)
+    machine = f"client {client_machine()}; the servers' hardware is not known to the client"
+    print(f"hardware: {machine}\n" + "\n".join(header), flush=True)
     compared = len(urls) == MAX_SERVERS
     labels = ["off", "on"] if compared else ["server"]
     results = []
@@ -46,9 +46,9 @@ def run_against_servers(args: argparse.Namespace, names: Sequence[str], started:
         change = f"{urls[0]} (off) vs {urls[1]} (on), as they were started" if compared else urls[0]
         results.append(WorkloadResult(scenario, TOGGLES[name].name if compared else None, change, measured))
         print("\n" + section(results[-1]), flush=True)
-    folder = args.report_dir or Path("reports") / "scenarios-url"
+    folder = report_dir(args.report_dir, "scenarios-url")
     meta = {"driver": "serve", "urls": urls, "sizes": sizes.__dict__}
-    return finish(results, header, folder, started, meta)
+    return finish(results, header, folder, started, meta, machine)
 
 
 def _check_servers(args: argparse.Namespace, urls: Sequence[str], names: Sequence[str]) -> None:
@@ -62,11 +62,10 @@ def _check_servers(args: argparse.Namespace, urls: Sequence[str], names: Sequenc
 
 def _header(args: argparse.Namespace, urls: Sequence[str], model: str) -> list[str]:
     driver = f"serve: servers already running at {', '.join(urls)}, driven by bench serve's streaming client"
-    hardware = f"client {client_machine()}; the servers' hardware is not known to the client"
     baseline = (
         f"the first server ({urls[0]}) as the feature off, measured in the same run just before the second"
         if len(urls) == MAX_SERVERS
         else "none: one server, measured alone (give --url twice, feature off then on, to compare)"
     )
     model_text = f"'{model}' as the server names it"
-    return header_lines(args, driver, hardware, model_text, preset_name(args, None), baseline)
+    return header_lines(args, driver, model_text, preset_name(args, None), baseline)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.benchmarks.measure import mean, percentile
+from tokenmill.benchmarks.stats import mean, percentile
 
 QUANTILES = (50, 90, 99)
 

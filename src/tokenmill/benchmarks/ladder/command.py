@@ -1,0 +1,183 @@
+"""``tokenmill bench ladder``: the options, then the run: every rung measured on a fresh engine over one
+loaded model, their greedy tokens checked against the first rung's, the HF peer, the report."""
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenmill.benchmarks import common
+from tokenmill.benchmarks.hf_peer import HFPeer, build_hf_peer
+from tokenmill.benchmarks.ladder.report import LadderReport, write_report
+from tokenmill.benchmarks.ladder.rungs import (
+    RUNGS,
+    LadderSetup,
+    Rung,
+    rung_configs,
+    rung_names,
+    selected_rungs,
+)
+from tokenmill.benchmarks.measure import (
+    Mismatch,
+    RunResult,
+    compare_outputs,
+    measure_engine,
+    progress_bar,
+)
+from tokenmill.benchmarks.report import (
+    Hardware,
+    describe_model,
+    detect_hardware,
+    device_kind,
+    header_lines,
+    report_dir,
+)
+from tokenmill.benchmarks.workload import Workload, WorkloadSpec, parse_length_range
+from tokenmill.config import FUSED_KERNEL_TOGGLES, EngineConfig
+from tokenmill.loading import LoadedModel
+
+
+def measure_rung(
+    name: str, config: EngineConfig, loaded: LoadedModel, workload: Workload, show_progress: bool
+) -> RunResult:
+    return measure_engine(config, loaded, workload, name, show_progress)
+
+
+def measure_hf(peer: HFPeer, workload: Workload, batch_size: int, show_progress: bool) -> RunResult:
+    name = f"HF generate (batch {batch_size})"
+    peer.warm_up(workload)
+    with progress_bar(workload.max_output_tokens, name, show_progress) as bar:
+        return peer.run_static(workload, batch_size, progress=bar, label=name)
+
+
+# -- the command ----------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_model_arguments(parser)
+    group = parser.add_argument_group("workload")
+    group.add_argument("--num-requests", type=int, default=32)
+    group.add_argument("--input-len-range", type=parse_length_range, default=(32, 96), metavar="MIN-MAX")
+    group.add_argument("--output-len-range", type=parse_length_range, default=(16, 96), metavar="MIN-MAX")
+    group.add_argument("--prompt-source", choices=("auto", "text", "random"), default="auto")
+    group = parser.add_argument_group("ladder")
+    group.add_argument(
+        "--batch-size", type=int, default=8, help="static/continuous batch and HF batch (default 8)"
+    )
+    group.add_argument("--block-size", type=int, default=EngineConfig().kv.block_size)
+    group.add_argument("--max-model-len", type=int, default=None, help="default: fit the workload")
+    group.add_argument("--rungs", nargs="+", default=None, metavar="NAME", help=f"subset of: {rung_names()}")
+    group.add_argument(
+        "--report-dir",
+        type=Path,
+        default=None,
+        help="default: ladder-<device> in $TOKENMILL_REPORT_DIR, else in ~/.cache/tokenmill/reports",
+    )
+    group.add_argument("--skip-hf", action="store_true", help="do not run the HF generate peer")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    loaded = common.load_for_args(args)
+    spec = WorkloadSpec(
+        args.num_requests,
+        args.input_len_range,
+        args.output_len_range,
+        args.seed,
+        prompt_source=args.prompt_source,
+    )
+    workload = common.workload_for(spec, loaded)
+    max_model_len = common.fit_max_model_len(workload, loaded, args.max_model_len)
+    hardware = detect_hardware(loaded.device)
+    workload_text = f"{workload.describe()}; max_model_len {max_model_len}, batch size {args.batch_size}"
+    print(
+        f"workload: {workload_text}\nhardware: {hardware.describe()}\nmodel: {describe_model(loaded)}",
+        flush=True,
+    )
+    show = not args.no_progress
+    results = [
+        (rung, config, measure_rung(rung.name, config, loaded, workload, show))
+        for rung, config in ladder_configs(args, loaded, workload, max_model_len)
+    ]
+    failures = check_rungs(results)
+    if failures:
+        print_failures(failures)
+        return 1
+    peer = None if args.skip_hf else build_hf_peer(loaded)
+    hf_result, hf_matches = _run_peer(peer, workload, args.batch_size, results[0][2], show)
+    peer_text = (
+        "none (--skip-hf)" if peer is None else f"{peer.describe()}, static batches of {args.batch_size}"
+    )
+    header = header_lines("tokenmill optimization ladder", workload_text, describe_model(loaded), peer_text)
+    report = LadderReport(header, results, hf_result, hf_matches, time.perf_counter() - started)
+    print_report(report, hardware, args.report_dir)
+    return 0
+
+
+def ladder_configs(
+    args: argparse.Namespace, loaded: LoadedModel, workload: Workload, max_model_len: int
+) -> list[tuple[Rung, EngineConfig]]:
+    setup = LadderSetup(args.batch_size, workload.num_requests, max_model_len, args.block_size)
+    # Every fused kernel off at the start (their default is on with CUDA), so the GPU rungs add them.
+    base = common.base_engine_config(args, loaded, max_model_len).with_options(
+        block_size=args.block_size,
+        programmatic_launch=False,
+        cuda_graph_logits=False,
+        **dict.fromkeys(FUSED_KERNEL_TOGGLES, False),
+    )
+    wanted = {rung.name for rung in selected_rungs(args.rungs)}
+    if loaded.device.type != "cuda":
+        wanted -= {rung.name for rung in RUNGS if rung.cuda_only}
+    return [(rung, config) for rung, config in rung_configs(base, setup, RUNGS) if rung.name in wanted]
+
+
+def _run_peer(
+    peer: HFPeer | None, workload: Workload, batch_size: int, reference: RunResult, show: bool
+) -> tuple[RunResult | None, int | None]:
+    if peer is None:
+        return None, None
+    result = measure_hf(peer, workload, batch_size, show)
+    mismatches = compare_outputs(reference, result)
+    if mismatches:
+        count = f"{len(mismatches)}/{workload.num_requests}"
+        print(
+            f"warning: HF generate differs from the first rung on {count} requests (padding and batch "
+            f"shapes can flip near-ties in greedy decoding); first: {mismatches[0].describe()}",
+            file=sys.stderr,
+        )
+    return result, workload.num_requests - len(mismatches)
+
+
+def check_rungs(results: Sequence[tuple[Rung, EngineConfig, RunResult]]) -> dict[str, list[Mismatch]]:
+    """Each rung's greedy tokens against the first rung's: {rung name: mismatches} for those that differ."""
+    reference = results[0][2]
+    failures = {}
+    for rung, _, result in results[1:]:
+        mismatches = compare_outputs(reference, result)
+        if mismatches:
+            failures[rung.name] = mismatches
+    return failures
+
+
+def print_failures(failures: dict[str, list[Mismatch]]) -> None:
+    print("\nCORRECTNESS CHECK FAILED: no numbers are reported.", file=sys.stderr)
+    for name, mismatches in failures.items():
+        print(f"rung '{name}' differs from the first rung on {len(mismatches)} request(s):", file=sys.stderr)
+        for mismatch in mismatches[:5]:
+            print(f"  {mismatch.describe()}", file=sys.stderr)
+
+
+def print_report(report: LadderReport, hardware: Hardware, given_dir: Path | None) -> None:
+    folder = report_dir(given_dir, f"ladder-{device_kind(hardware)}")
+    written = write_report(report, hardware, folder)
+    print("\n" + report.table() + "\n")
+    print("\n".join(report.summary()))
+    missing = "" if "ladder.png" in written else " (no matplotlib: no ladder.png)"
+    print(f"wrote {', '.join(written)} to {folder}{missing}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tokenmill.benchmarks import ladder
+
+    return common.run_as_script("ladder", ladder.__doc__, add_arguments, run, argv)

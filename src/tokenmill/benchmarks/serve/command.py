@@ -1,0 +1,158 @@
+"""``tokenmill bench serve``: the options, the warm-up and the levels in turn, the report."""
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tokenmill.benchmarks.report import client_machine, provenance
+from tokenmill.benchmarks.serve.client import (
+    LevelResult,
+    RequestRecord,
+    Target,
+    dataset_prompts,
+    resolve_model,
+    run_level,
+    send_request,
+    synthetic_prompts,
+)
+from tokenmill.benchmarks.serve.report import level_table, scaling_line, write_report
+
+_DEFAULT_CONCURRENCY = "1,8,32,128"
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got '{text}'")
+    return levels
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="server base URL (with or without /v1)"
+    )
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    parser.add_argument("--concurrency", type=_levels, default=_levels(_DEFAULT_CONCURRENCY))
+    parser.add_argument(
+        "--request-rate", type=float, default=math.inf, help="requests/s (default: all at once)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level")
+    parser.add_argument("--input-len", type=int, default=64, help="words per synthetic prompt (~tokens)")
+    parser.add_argument("--output-len", type=int, default=64, help="max_tokens of each request")
+    parser.add_argument("--dataset", type=Path, default=None, help="JSON lines with a 'prompt' each")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=1, help="short requests sent before measuring")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--report-dir", type=Path, default=None, help="write serve.json / .md / .png here")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.request_rate <= 0:
+        raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+
+
+async def run_all(target: Target, prompts: list[str], args: argparse.Namespace) -> list[LevelResult]:
+    async with httpx.AsyncClient(timeout=args.timeout) as client:
+        for _ in range(args.warmup):
+            warm = await send_request(client, target, prompts[0], max_tokens=min(4, target.output_len))
+            if not warm.ok:
+                raise RuntimeError(f"the warm-up request failed: {warm.error}")
+    results = []
+    for concurrency in args.concurrency:
+        result = await run_level(target, prompts, concurrency, args.request_rate, args.seed, args.timeout)
+        _print_level(result)
+        results.append(result)
+    return results
+
+
+def _print_level(result: LevelResult) -> None:
+    s = result.summary()
+    print(
+        f"concurrency {s['concurrency']:>4}: {s['completed']} ok, {s['failed']} failed, "
+        f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
+        f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, TPOT p50 {s['tpot_ms']['p50']:.1f} ms",
+        file=sys.stderr,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    base_url = args.url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        model = args.model or resolve_model(base_url, headers, args.timeout)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        print(f"tokenmill bench serve: cannot list the models of {base_url}: {exc}", file=sys.stderr)
+        return 1
+    if args.dataset is not None:
+        prompts, described = dataset_prompts(args.dataset, args.num_prompts), f"prompts from {args.dataset}"
+    else:
+        prompts = synthetic_prompts(args.num_prompts, args.input_len, args.seed)
+        described = f"synthetic prompts of {args.input_len} words"
+    target = Target(base_url, model, headers, args.output_len, args.ignore_eos, args.temperature)
+    results = asyncio.run(run_all(target, prompts, args))
+    summaries = [result.summary() for result in results]
+    print(level_table(summaries))
+    scaling = scaling_line(summaries)
+    if scaling:
+        print(scaling)
+    if args.report_dir is not None:
+        origin = provenance(client_machine())  # the client's: the server's hardware is not known here
+        payload = {"provenance": origin.to_json(), **_payload(args, base_url, model, described, summaries)}
+        payload["requests"] = {str(r.concurrency): [_record_dict(rec) for rec in r.records] for r in results}
+        for path in write_report(args.report_dir, payload, summaries, origin):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0 if all(s["failed"] == 0 for s in summaries) else 1
+
+
+def _payload(
+    args: argparse.Namespace, base_url: str, model: str, described: str, summaries: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "url": base_url,
+        "model": model,
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "prompts": described,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "ignore_eos": args.ignore_eos,
+            "temperature": args.temperature,
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+            "concurrency": args.concurrency,
+        },
+        "levels": summaries,
+    }
+
+
+def _record_dict(record: RequestRecord) -> dict[str, Any]:
+    data = asdict(record)
+    data.pop("itls_s")
+    data.pop("text")
+    return data
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from tokenmill.benchmarks import serve
+
+    doc = serve.__doc__ or ""
+    parser = argparse.ArgumentParser(prog="tokenmill bench serve", description=doc.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
