@@ -236,12 +236,16 @@ def test_provenance_without_git_or_a_checkout_says_unknown(
 # -- latency and throughput --------------------------------------------------------------------------------
 
 
-def test_latency_prints_both_engines_and_bandwidth(tiny_llama_folder: Path, capsys: Any) -> None:
+def test_latency_prints_both_engines_and_bandwidth(
+    tiny_llama_folder: Path, tmp_path: Path, capsys: Any
+) -> None:
     argv = ["--model", str(tiny_llama_folder), "--input-len", "8", "--output-len", "4", "--iters", "1"]
-    assert latency.main(argv) == 0
+    assert latency.main([*argv, "--report-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "tokenmill " in out and "HF generate " in out and "copy bandwidth" in out and "- machine: " in out
     assert "- commit: " in out and "- command: " in out
+    report = (tmp_path / "latency.md").read_text()
+    assert report.startswith("- commit: ") and "speed ratio tokenmill / HF" in report
 
 
 def test_decode_bytes_count_the_lookup_table_once(tiny_llama_folder: Path) -> None:

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -143,6 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-len", type=int, default=64, help="output tokens, EOS ignored (default 64)")
     group.add_argument("--iters", type=int, default=5, help="measured runs, after one warm-up (default 5)")
     group.add_argument("--skip-hf", action="store_true", help="do not run the HF generate peer")
+    group.add_argument(
+        "--report-dir", type=Path, default=None, help="also write what is printed to latency.md there"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
         WorkloadSpec(4, (args.input_len, args.input_len), (1, 1), args.seed + 1), loaded
     ).prompts()
     check = check_fast_path(config, loaded, check_prompts, min(args.output_len, 32))
-    print(check.describe())
     if not check.passed:
+        print(check.describe())
         print(
             "tokenmill latency: the fast path disagrees with the plain path; no number reported",
             file=sys.stderr,
@@ -175,9 +179,16 @@ def run(args: argparse.Namespace) -> int:
     workload_text = f"batch 1, {workload.describe()}, median of {args.iters} runs; tokenmill {config_text}"
     hardware = detect_hardware(loaded.device)
     header = header_lines("tokenmill latency", workload_text, describe_model(loaded), peer_text)
-    print(provenance_header(hardware) + "\n".join(header))
     _warn_if_different(ours, theirs)
-    print_results(ours, theirs, loaded, args.input_len + args.output_len // 2, bandwidth, args.input_len)
+    results = result_lines(
+        ours, theirs, loaded, args.input_len + args.output_len // 2, bandwidth, args.input_len
+    )
+    text = provenance_header(hardware) + "\n".join([*header, check.describe(), "", "```", *results, "```"])
+    print(text)
+    if args.report_dir is not None:
+        args.report_dir.mkdir(parents=True, exist_ok=True)
+        (args.report_dir / "latency.md").write_text(text + "\n")
+        print(f"wrote latency.md to {args.report_dir}")
     return 0
 
 
@@ -202,16 +213,16 @@ def hf_once(peer: HFPeer, prompt: list[int], output_len: int) -> Latency:
     return latency_from_times(times, tokens)
 
 
-def print_results(
+def result_lines(
     ours: Latency, theirs: Latency | None, loaded: LoadedModel, context: int, bandwidth: float, input_len: int
-) -> None:
+) -> list[str]:
     weights, kv = decode_bytes_per_token(loaded, context)
     kind = "device-to-device" if loaded.device.type == "cuda" else "memcpy"
     size = fmt_bytes(copy_size(loaded.device))
-    print(f"\ncopy bandwidth: {bandwidth / 1e9:.1f} GB/s ({kind} copy of {size}, read + write)")
-    print(
-        f"bytes read per decode token: weights {fmt_bytes(weights)} + KV {fmt_bytes(kv)} at {context} tokens"
-    )
+    lines = [
+        f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s ({kind} copy of {size}, read + write)",
+        f"bytes read per decode token: weights {fmt_bytes(weights)} + KV {fmt_bytes(kv)} at {context} tokens",
+    ]
     rows = [("tokenmill", ours)] + ([("HF generate", theirs)] if theirs is not None else [])
     for name, result in rows:
         share = bandwidth_share(weights + kv, result.decode_s_per_token, bandwidth)
@@ -219,12 +230,13 @@ def print_results(
         decode = (
             f"decode {result.decode_s_per_token * 1e3:7.2f} ms/token ({result.decode_tokens_per_s:7.1f} tok/s"
         )
-        print(f"{name:<12} {prefill}   {decode}, {share:.1%} of copy bandwidth)")
+        lines.append(f"{name:<12} {prefill}   {decode}, {share:.1%} of copy bandwidth)")
     if theirs is not None:
         prefill_ratio = theirs.prefill_s / ours.prefill_s
         decode_ratio = theirs.decode_s_per_token / ours.decode_s_per_token
         ratios = f"prefill {prefill_ratio:.2f}x, decode {decode_ratio:.2f}x"
-        print(f"speed ratio tokenmill / HF (above 1: tokenmill faster): {ratios}")
+        lines.append(f"speed ratio tokenmill / HF (above 1: tokenmill faster): {ratios}")
+    return lines
 
 
 def _warn_if_different(ours: Latency, theirs: Latency | None) -> None:
