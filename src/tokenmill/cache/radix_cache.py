@@ -23,27 +23,9 @@ last release: a match that is never locked does not refresh it, and re-inserting
 holds needs no refresh (its blocks become most recent when the caller releases them).
 :meth:`~RadixCache.check_integrity` verifies all of this.
 
-**How a scheduler uses it** (``seq_id`` is the request's id in the :class:`BlockManager`)::
-
-    cache = RadixCache.for_manager(manager)
-
-    # admission (also after a preemption: match the tokens the request has so far)
-    match = cache.match_prefix(request.token_ids)
-    new_blocks = manager.blocks_for_tokens(request.num_tokens) - len(match.blocks)
-    if new_blocks > cache.num_free_after_lock(match):
-        ...  # does not fit: leave it waiting (nothing was taken)
-    cache.lock(match)  # pins the matched blocks and counts the query in the hit-rate stats
-    manager.share_prefix(seq_id, match.blocks)
-    manager.allocate(seq_id, request.num_tokens)
-    request.num_computed_tokens = match.num_tokens
-    request.prefix_node = match.node
-
-    # whenever num_computed_tokens crosses a block boundary (after prefill, then every block_size steps)
-    cache.insert(request.token_ids[: request.num_computed_tokens], manager.block_table(seq_id))
-
-    # finish, abort or preemption
-    cache.unlock(request.prefix_node)
-    manager.free(seq_id)  # blocks the tree holds become cached instead of free
+**How it is used**: :class:`~tokenmill.cache.kv_cache_manager.PrefixCachingKVCacheManager` matches a
+sequence's tokens at admission, locks the match and shares its blocks, inserts the sequence's full
+blocks as they are computed, and unlocks the path when the sequence is freed.
 
 A request admitted in the same step as an identical one computes its own copy of the prompt's blocks;
 :meth:`~RadixCache.insert` then keeps the tree's copy and the duplicates are freed with the table.
@@ -117,21 +99,12 @@ class RadixCache:
         self.num_evicted_blocks = 0
         allocator.attach_cache_hook(self)
 
-    @classmethod
-    def for_manager(cls, manager: BlockManager) -> "RadixCache":
-        return cls(manager.allocator, manager.block_size)
-
     # --- stats ---------------------------------------------------------------------------------------
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks the tree holds, in use by requests or not."""
         return len(self._node_of_block)
-
-    @property
-    def num_evictable_blocks(self) -> int:
-        """Tree blocks nobody references: the allocator's cached blocks."""
-        return self.allocator.num_cached
 
     @property
     def hit_rate(self) -> float:
