@@ -16,7 +16,7 @@ import torch
 
 from tokenmill.benchmarks.kernels import AttentionInputs, ModelShape, Timer, paged_batch, relative_difference
 from tokenmill.benchmarks.report import markdown_table
-from tokenmill.kernels.paged_attention import (
+from tokenmill.kernels.attention import (
     DecodeConfig,
     DecodeSplit,
     default_decode_config,

@@ -622,7 +622,7 @@ def sweep_cases(shape: ModelShape, sizes: Sizes, dtype: torch.dtype, device: tor
     """The attention kernels under several tile configurations (``--sweep``), to tune the defaults.
     Each is checked against the reference, but only the Triton kernel is timed."""
     from tokenmill.attention.triton_backend import TritonAttentionBackend
-    from tokenmill.kernels.paged_attention import DecodeConfig, PrefillConfig
+    from tokenmill.kernels.attention import DecodeConfig, PrefillConfig
 
     cases = []
     n = sizes.prefill_len
@@ -765,7 +765,7 @@ def run(args: argparse.Namespace) -> int:
             c for c in sweep_cases(shape, sizes, dtype, device) if not args.only or args.only in c.kernel
         ]
         sweep_rows = _run_all(sweep, timer, dtype, device)
-        print("\nTile sweep (defaults: tokenmill/kernels/paged_attention.py)\n", flush=True)
+        print("\nTile sweep (defaults: tokenmill/kernels/attention/plan.py)\n", flush=True)
         print(format_rows(sweep_rows, copy_bytes_per_s), flush=True)
         rows += sweep_rows
     if args.json is not None:
