@@ -321,7 +321,7 @@ def test_triton_decode_with_a_fixed_split_bound_matches_the_reference_loop(tiny,
     (slot -1) must write nothing when the decode kernel stores the new K/V itself (``fused``)."""
     pytest.importorskip("triton")
     from tokenmill.attention.triton_backend import TritonAttentionBackend
-    from tokenmill.kernels.paged_attention import DecodeConfig
+    from tokenmill.kernels.attention import DecodeConfig
 
     engine = engine_for(tiny, attention_backend="triton", block_size=4, num_kv_blocks=64, max_model_len=64)
     config = DecodeConfig(block_n=16, num_warps=4, num_stages=1)

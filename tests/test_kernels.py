@@ -35,9 +35,9 @@ if not triton_available():
 
 from tokenmill.attention.triton_backend import TritonAttentionBackend
 from tokenmill.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+from tokenmill.kernels.attention import DecodeConfig, PrefillConfig
 from tokenmill.kernels.gemv import GemvConfig, gated_gemv, gemv, rms_norm_gemv
 from tokenmill.kernels.kv_write import write_kv
-from tokenmill.kernels.paged_attention import DecodeConfig, PrefillConfig
 from tokenmill.kernels.rmsnorm import add_rms_norm, rms_norm
 from tokenmill.kernels.rotary import apply_rotary_
 from tokenmill.models.config import RopeConfig
@@ -514,7 +514,7 @@ def test_decode_short_contexts_stay_unsplit_in_a_split_launch(device: str, dtype
     """A launch split for its longest context, where the contexts of at most ``DECODE_MAX_UNSPLIT`` keys
     take the one-partition path and the longer ones the merge: both match the reference. A bound within
     ``DECODE_MAX_UNSPLIT`` plans no split at all."""
-    from tokenmill.kernels.paged_attention import DECODE_MAX_UNSPLIT, plan_decode_split
+    from tokenmill.kernels.attention import DECODE_MAX_UNSPLIT, plan_decode_split
 
     batch = random_batch(39, 4, 1, 64, mode="decode", dtype=dtype, device=device, max_len=600, batch=3)
     assert min(batch.seq_lens) <= DECODE_MAX_UNSPLIT < max(batch.seq_lens)
@@ -529,7 +529,7 @@ def test_decode_short_contexts_stay_unsplit_in_a_split_launch(device: str, dtype
 def test_decode_merges_leave_their_counters_at_zero(device: str) -> None:
     """The last partition to arrive merges and resets its counter: launch after launch (layers, graph
     replays) the same inputs give the same output."""
-    from tokenmill.kernels import paged_attention
+    from tokenmill.kernels.attention import partitions
 
     batch = random_batch(13, 8, 2, 64, mode="decode", dtype=torch.float32, device=device, max_len=90)
     backend = TritonAttentionBackend(decode_partition_size=16, decode_config=SMALL_DECODE)
@@ -539,7 +539,7 @@ def test_decode_merges_leave_their_counters_at_zero(device: str) -> None:
         for _ in range(3)
     ]
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[1], outputs[2])
-    assert not paged_attention._ARRIVALS[torch.device(outputs[0].device)].any()
+    assert not partitions._ARRIVALS[torch.device(outputs[0].device)].any()
 
 
 @pytest.mark.parametrize("window", [None, 3, 24])

@@ -4,7 +4,7 @@ reads them in place through the block tables (no gather, no padding, no mask ten
 * decode steps (every sequence has one new token) use split-K paged decoding, its launch fixed by the
   batch size and ``metadata.max_seq_len`` alone (read as a bound: a CUDA graph captured with
   ``max_seq_len = max_model_len`` replays correctly for every shorter context; see
-  ``tokenmill.kernels.paged_attention.plan_decode_split``);
+  ``tokenmill.kernels.attention.plan_decode_split``);
 * prefill, chunked prefill and mixed batches use the variable-length causal kernel;
 * without a KV cache, whole packed sequences attend to themselves.
 
@@ -16,8 +16,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionLayer, PendingRotary
 from tokenmill.attention.metadata import AttentionMetadata, KVCacheLayer
-from tokenmill.kernels.kv_write import write_kv
-from tokenmill.kernels.paged_attention import (
+from tokenmill.kernels.attention import (
     DecodeConfig,
     NewTokens,
     PrefillConfig,
@@ -27,6 +26,7 @@ from tokenmill.kernels.paged_attention import (
     paged_prefill_attention,
     varlen_attention,
 )
+from tokenmill.kernels.kv_write import write_kv
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.benchmarks.kernels import Timer
+from tokenmill.benchmarks.kernels.timing import Timer
 from tokenmill.benchmarks.report import markdown_table
 from tokenmill.runner.sampler import Sampler, SamplingBatch, SamplingRow, apply_top_k_top_p_min_p
 from tokenmill.sampling_params import SamplingParams

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.benchmarks.kernels import Timer, relative_difference
+from tokenmill.benchmarks.kernels.cases import relative_difference
+from tokenmill.benchmarks.kernels.timing import Timer
 from tokenmill.benchmarks.report import markdown_table
 from tokenmill.kernels.activation import silu_and_mul
 from tokenmill.kernels.gemv import GemvConfig, default_gemv_config, gated_gemv, gemv, rms_norm_gemv

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.benchmarks.kernels import AttentionInputs, ModelShape, Timer, paged_batch, relative_difference
+from tokenmill.benchmarks.kernels.attention import AttentionInputs, paged_batch
+from tokenmill.benchmarks.kernels.cases import relative_difference
+from tokenmill.benchmarks.kernels.shapes import ModelShape
+from tokenmill.benchmarks.kernels.timing import Timer
 from tokenmill.benchmarks.report import markdown_table
-from tokenmill.kernels.paged_attention import (
+from tokenmill.kernels.attention import (
     DecodeConfig,
     DecodeSplit,
     default_decode_config,

@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.attention import AttentionMetadata, ForwardContext, TorchAttentionBackend, forward_context
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.benchmarks.kernels import Timer
+from tokenmill.benchmarks.kernels.timing import Timer
 from tokenmill.benchmarks.report import markdown_table
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.loading import load_model

@@ -1,0 +1,5 @@
+import sys
+
+from tokenmill.benchmarks.kernels.command import main
+
+sys.exit(main())

@@ -1,0 +1,92 @@
+"""Flash-decoding partitions: the keys each decode program takes, and the split merge (the partials'
+buffers, the arrival counters that pick the merging program, and the merge itself)."""
+
+import torch
+import triton
+import triton.language as tl
+
+MERGE_CHUNK = tl.constexpr(8)  # partitions a split merge reads per round of loads
+
+
+@triton.jit
+def context_range(seq_len: tl.tensor, window: int, has_window: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """First visible key position and the number of visible keys of a decode query at ``seq_len - 1``."""
+    start = tl.maximum(seq_len - window, 0) if has_window else seq_len * 0
+    return start, seq_len - start
+
+
+@triton.jit
+def partition_length(
+    context_len: tl.tensor, num_splits: int, min_partition: int, max_unsplit: int, block_n: tl.constexpr
+) -> tl.tensor:
+    """Keys per partition for this sequence: its context over the splits, in whole key tiles; the whole
+    context when it is at most ``max_unsplit`` keys."""
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(context_len, num_splits), block_n) * block_n, min_partition)
+    return tl.where(context_len <= max_unsplit, tl.cdiv(context_len, block_n) * block_n, per_split)
+
+
+@triton.jit
+def merge_partitions(
+    part_out_ptr: tl.tensor,
+    part_max_ptr: tl.tensor,
+    part_sum_ptr: tl.tensor,
+    parts: tl.tensor,
+    row_ok: tl.tensor,
+    used: tl.tensor,
+    dims: tl.tensor,
+) -> tl.tensor:
+    """Partition ``j``'s output was normalized by its own sum: reweight by ``sum_j * 2^(max_j - max)``.
+    Partitions are read ``MERGE_CHUNK`` at a time, so a short merge is one round of loads."""
+    row_max = tl.full(parts.shape, float("-inf"), tl.float32)
+    row_sum = tl.zeros(parts.shape, tl.float32)
+    acc = tl.zeros([parts.shape[0], dims.shape[0]], tl.float32)
+    for first in range(0, used, MERGE_CHUNK):
+        chunk = first + tl.arange(0, MERGE_CHUNK)
+        index = parts[:, None] + chunk[None, :]  # [rows, chunk]
+        valid = row_ok[:, None] & (chunk < used)[None, :]
+        # .cg: read from L2, where the other programs' stores are, not a stale L1 line.
+        part_max = tl.load(part_max_ptr + index, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        part_sum = tl.load(part_sum_ptr + index, mask=valid, other=0.0, cache_modifier=".cg")
+        part_out = tl.load(
+            part_out_ptr + (index * dims.shape[0])[:, :, None] + dims[None, None, :],
+            mask=valid[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        new_max = tl.maximum(row_max, tl.max(part_max, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # masked-off rows (past the group)
+        alpha = tl.exp2(row_max - safe_max)
+        weight = tl.exp2(part_max - safe_max[:, None]) * part_sum
+        row_sum = row_sum * alpha + tl.sum(weight, 1)
+        acc = acc * alpha[:, None] + tl.sum(part_out * weight[:, :, None], 1)
+        row_max = new_max
+    return acc / row_sum[:, None]
+
+
+def decode_partials(
+    num_seqs: int, num_kv_heads: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-partition outputs (normalized), maxima and sums, and the arrival counters of the partitions
+    of each (sequence, KV head); tiny placeholders when there is one split."""
+    shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1,)
+    part_out = torch.empty(*shape, head_dim if num_splits > 1 else 1, dtype=torch.float32, device=device)
+    part_max = torch.empty(shape, dtype=torch.float32, device=device)
+    part_sum = torch.empty(shape, dtype=torch.float32, device=device)
+    arrivals = arrival_counters(device, num_seqs * num_kv_heads if num_splits > 1 else 1)
+    return part_out, part_max, part_sum, arrivals
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+MIN_ARRIVAL_COUNTERS = 4096  # more than a split launch needs (see plan_decode_split), so graphs find it
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters, kept from launch to launch: each merge leaves its counter at zero again.
+    One buffer per device, made before any CUDA graph capture (the warm-up runs first)."""
+    counters = _ARRIVALS.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode attention needs more split counters during CUDA graph capture")
+        counters = torch.zeros(max(count, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = counters
+    return counters

@@ -1,0 +1,130 @@
+"""The key-tile loop that the decode and prefill kernels share: the K/V rows of a tile found through a
+block table (or packed, unpaged), the tile loaded (masked or whole), and folded into a running base-2
+softmax (row max, row sum, unnormalized output)."""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)  # the softmax runs in base 2: launchers pass the scale times log2 e
+
+
+@triton.jit
+def kv_offsets(
+    block_table_ptr: tl.tensor,
+    kv_base_row: tl.tensor,
+    positions: tl.tensor,
+    in_range: tl.tensor,
+    block_stride: int,
+    slot_stride: int,
+    paged: tl.constexpr,
+    block_size: tl.constexpr,
+) -> tl.tensor:
+    """Element offsets of the K/V rows holding ``positions`` of one sequence: through its block-table
+    row when paged, else rows ``kv_base_row + position`` of packed K/V (``block_stride`` = row stride)."""
+    if paged:
+        block_ids = tl.load(block_table_ptr + positions // block_size, mask=in_range, other=0).to(tl.int64)
+        offsets = block_ids * block_stride + (positions % block_size) * slot_stride
+    else:
+        offsets = (kv_base_row + positions).to(tl.int64) * block_stride
+    return offsets
+
+
+@triton.jit
+def load_kv_tile(
+    base_ptr: tl.tensor, offsets: tl.tensor, dims: tl.tensor, in_range: tl.tensor, masked: tl.constexpr
+) -> tl.tensor:
+    ptrs = base_ptr + offsets[:, None] + dims[None, :]
+    return tl.load(ptrs, mask=in_range[:, None], other=0.0) if masked else tl.load(ptrs)
+
+
+@triton.jit
+def softmax_step(
+    scores: tl.tensor,
+    row_max: tl.tensor,
+    row_sum: tl.tensor,
+    acc: tl.tensor,
+    v: tl.tensor,
+    precision: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Fold one tile of base-2 scores ``[M, N]`` and values ``[N, D]`` into the running max, sum and
+    unnormalized output."""
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen no visible key yet
+    alpha = tl.exp2(row_max - safe_max)
+    p = tl.exp2(scores - safe_max[:, None])
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
+    return new_max, row_sum, acc
+
+
+@triton.jit
+def attend_range(
+    q: tl.tensor,
+    row_max: tl.tensor,
+    row_sum: tl.tensor,
+    acc: tl.tensor,
+    query_pos: tl.tensor,
+    key_base: tl.tensor,
+    value_base: tl.tensor,
+    block_table_ptr: tl.tensor,
+    kv_base_row: tl.tensor,
+    start_pos: tl.tensor,
+    end_pos: tl.tensor,
+    scale_log2: float,
+    window: int,
+    block_stride: int,
+    slot_stride: int,
+    block_n: tl.constexpr,
+    head_dim: tl.constexpr,
+    block_size: tl.constexpr,
+    paged: tl.constexpr,
+    has_window: tl.constexpr,
+    masked: tl.constexpr,
+    precision: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Attend the query rows to key positions ``[start_pos, end_pos)``; unless ``masked``, every row
+    must see every one of them and the range must be a whole number of tiles."""
+    dims = tl.arange(0, head_dim)
+    for start in range(start_pos, end_pos, block_n):
+        positions = start + tl.arange(0, block_n)
+        in_range = positions < end_pos
+        offsets = kv_offsets(
+            block_table_ptr, kv_base_row, positions, in_range, block_stride, slot_stride, paged, block_size
+        )
+        k = load_kv_tile(key_base, offsets, dims, in_range, masked)
+        scores = tl.dot(q, tl.trans(k), input_precision=precision) * scale_log2
+        if masked:
+            visible = (positions[None, :] <= query_pos[:, None]) & in_range[None, :]
+            if has_window:
+                visible = visible & (positions[None, :] > query_pos[:, None] - window)
+            scores = tl.where(visible, scores, float("-inf"))
+        v = load_kv_tile(value_base, offsets, dims, in_range, masked)
+        row_max, row_sum, acc = softmax_step(scores, row_max, row_sum, acc, v, precision)
+    return row_max, row_sum, acc
+
+
+@triton.jit
+def attend_tile(
+    q: tl.tensor,
+    row_max: tl.tensor,
+    row_sum: tl.tensor,
+    acc: tl.tensor,
+    k: tl.tensor,
+    v: tl.tensor,
+    in_range: tl.tensor,
+    scale_log2: float,
+    precision: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """Fold a loaded tile of keys ``[N, D]`` and values into the running state; keys out of range
+    (masked) count for nothing."""
+    scores = tl.dot(q, tl.trans(k), input_precision=precision) * scale_log2
+    scores = tl.where(in_range[None, :], scores, float("-inf"))
+    return softmax_step(scores, row_max, row_sum, acc, v, precision)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Full float32 products for float32 inputs (TF32 would miss the reference by ~1e-3)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
