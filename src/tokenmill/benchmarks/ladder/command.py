@@ -1,5 +1,16 @@
-"""``tokenmill bench ladder``: the options, then the run: every rung measured on a fresh engine over one
-loaded model, their greedy tokens checked against the first rung's, the HF peer, the report."""
+"""The optimization ladder: one workload through a list of engine configs, each changing one toggle.
+
+Every rung must produce the first rung's greedy tokens for every request; a rung that does not is not
+reported (the mismatch is printed and the command exits non-zero). HF ``generate`` at ``--batch-size`` runs
+the same workload in the same process as the peer. Writes ladder.md, ladder.json and ladder.png to
+``--report-dir`` (default: ``$TOKENMILL_REPORT_DIR/ladder-<device>``, else
+``~/.cache/tokenmill/reports/ladder-<device>``; never the source tree unless named).
+
+    tokenmill bench ladder [--model PATH] [--num-requests 32] [--batch-size 8] [--report-dir DIR]
+
+New optimizations add a ``Rung`` to ``RUNGS`` (``rungs``): a name and a function deriving its config from
+the previous. ``command`` measures the rungs and checks their tokens; ``report`` writes the results.
+"""
 
 import argparse
 import sys
@@ -178,6 +189,4 @@ def print_report(report: LadderReport, hardware: Hardware, given_dir: Path | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokenmill.benchmarks import ladder
-
-    return common.run_as_script("ladder", ladder.__doc__, add_arguments, run, argv)
+    return common.run_as_script("ladder", __doc__, add_arguments, run, argv)

@@ -1,20 +1,67 @@
-"""``tokenmill bench scenarios``: argument parsing and the run, workload by workload."""
+"""Scheduling-feature scenarios: five workloads, each run with its feature off and on in the same run.
+
+    tokenmill bench scenarios [--workload all|continuous_batching|burst|chunked_prefill|prefix_caching|
+                              multi_turn] [--driver offline|serve] [--url URL [--url URL]]
+                              [--preset auto|cpu|gpu] [--<size> N ...] [--model M --load-format dummy
+                              --device cuda ...] [--report-dir DIR]
+
+| workload              | arrivals                                          | feature toggled               |
+|-----------------------|---------------------------------------------------|-------------------------------|
+| `continuous_batching` | mixed prompt/output lengths, Poisson              | `batching` static, continuous |
+| `burst`               | the same kind of requests, all at t=0             | `batching` static, continuous |
+| `chunked_prefill`     | short-prompt streams, long prompts (75%) join     | `chunked_prefill` + budget    |
+| `prefix_caching`      | one shared prefix, distinct suffixes, Poisson     | `prefix_caching`              |
+| `multi_turn`          | conversations re-sending their history every turn | `prefix_caching`              |
+
+Why a command of its own rather than a ``--workload`` on ``bench serve``: ``bench serve`` measures one
+server someone else started, at several concurrency levels; a scenario is a workload *and* the engine
+config pair it compares, so it has to own the engine (or be handed two servers). Its flags follow
+``bench serve`` / vLLM's ``vllm bench serve`` where they mean the same (``--url``, ``--api-key``,
+``--seed``, ``--report-dir``; request rates are Poisson arrivals per second).
+
+Two drivers replay the same workload definitions:
+
+- ``offline`` (default): an in-process ``LLMEngine`` stepped in a loop; a request is added when its
+  arrival time has come, and every new token is stamped with the time its step returned. No HTTP, so
+  this driver imports neither FastAPI, uvicorn nor httpx.
+- ``serve``: tokenmill's OpenAI-compatible server started in this process for each config (over the
+  model loaded once) and driven over 127.0.0.1 by ``bench serve``'s streaming client; or, with
+  ``--url``, servers already running (two URLs: feature off, then on). It needs a model with a tokenizer
+  (the server streams text), so not dummy weights.
+
+Per config: TTFT and ITL percentiles (p50/p90/p99), output tok/s and requests/s, and on/off ratios; the
+target of a workload, where it has one, is checked on the measured numbers (chunked_prefill: ITL p99
+within 3x its p50 with the feature on; prefix_caching: TTFT p50 cut at least 2x and throughput raised).
+Greedy outputs must be identical off and on (token ids offline, text over HTTP); a workload where they
+are not gets no numbers, its differences are printed, and the command exits non-zero. Written to the
+report folder: scenarios.md (starting with its provenance: commit, command, machine, date),
+scenarios.json and a PNG per workload. The folder is ``--report-dir``, else
+``scenarios-<device>-<driver>`` (``scenarios-url`` with ``--url``) in ``$TOKENMILL_REPORT_DIR`` or
+``~/.cache/tokenmill/reports``: never the source tree unless named.
+
+Sizes come from a preset (``cpu``: all five in about ten minutes on two cores with the default model;
+``gpu``: 48 requests on a 1024-token prefix, 4096-token prompts among streams, ...), each overridable by
+its own flag (``--prefix-len 1024``, ``--batching-rate 4``; see ``--help``). Examples:
+
+    tokenmill bench scenarios --workload prefix_caching --threads 1
+    tokenmill bench scenarios --model qwen3-0.6b --load-format dummy --device cuda --dtype float32
+    tokenmill bench scenarios --workload chunked_prefill --driver serve
+    tokenmill bench scenarios --workload prefix_caching --url http://127.0.0.1:8000 --url http://127.0.0.1:8001
+"""
 
 import argparse
-import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import fields, replace
+from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tokenmill.benchmarks import common
-from tokenmill.benchmarks.report import describe_model, detect_hardware, device_kind, provenance, report_dir
+from tokenmill.benchmarks.report import describe_model, detect_hardware, device_kind, report_dir
 from tokenmill.benchmarks.scenarios.features import TOGGLES, config_difference
-from tokenmill.benchmarks.scenarios.report import MeasuredConfig, WorkloadResult, section, write_report
-from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
+from tokenmill.benchmarks.scenarios.report import MeasuredConfig, WorkloadResult, section
+from tokenmill.benchmarks.scenarios.results import finish, header_lines
+from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name, preset_name, sizes_for
 from tokenmill.benchmarks.scenarios.traces import ScenarioRun
 from tokenmill.benchmarks.scenarios.workloads import (
     WORKLOADS,
@@ -90,17 +137,6 @@ def _add_size_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _size_text(value: Any) -> str:
     return f"{value[0]}-{value[1]}" if isinstance(value, tuple) else f"{value:g}"
-
-
-def preset_name(args: argparse.Namespace, device: torch.device | None) -> str:
-    if args.preset != "auto":
-        return str(args.preset)
-    return "gpu" if device is not None and device.type == "cuda" else "cpu"
-
-
-def sizes_for(args: argparse.Namespace, device: torch.device | None) -> Sizes:
-    overrides = {f.name: getattr(args, f.name) for f in fields(Sizes) if getattr(args, f.name) is not None}
-    return replace(PRESETS[preset_name(args, device)], **overrides)
 
 
 # -- one workload ---------------------------------------------------------------------------------------
@@ -179,60 +215,5 @@ def _driver_text(driver: str) -> str:
     )
 
 
-OFF_ON_BASELINE = (
-    "each workload with its feature off, on the same engine, model and requests, measured in the same run "
-    "just before the feature on"
-)
-
-
-def header_lines(
-    args: argparse.Namespace, driver: str, model: str, preset: str, baseline: str = OFF_ON_BASELINE
-) -> list[str]:
-    """The title and what was run; the machine and date are in the provenance header above it."""
-    overrides = [f"--{flag_name(f.name)}" for f in fields(Sizes) if getattr(args, f.name) is not None]
-    return [
-        "# tokenmill scheduling scenarios",
-        "",
-        f"- driver: {driver}",
-        f"- model: {model}",
-        f"- baseline: {baseline}",
-        f"- sizes: preset {preset}" + (f", overridden by {' '.join(overrides)}" if overrides else ""),
-    ]
-
-
-def finish(
-    results: Sequence[WorkloadResult],
-    header: list[str],
-    folder: Path,
-    started: float,
-    meta: dict[str, Any],
-    machine: str,
-) -> int:
-    """Write the report (``machine``: what ran it, for its provenance), say what failed; non-zero when any
-    outputs differed or any request failed."""
-    wall = time.perf_counter() - started
-    header = [*header, f"- wall time: {wall:.1f} s (model load, warm-ups, every workload off and on)"]
-    written = write_report(folder, header, results, meta, provenance(machine))
-    print(f"wrote {', '.join(path.name for path in written)} to {folder}")
-    failed = False
-    for result in results:
-        if not result.outputs_match:
-            failed = True
-            count = len(result.mismatches)
-            print(
-                f"\nCORRECTNESS CHECK FAILED: {result.scenario.name}: greedy outputs differ off vs on for "
-                f"{count} request(s); its numbers are not reported",
-                file=sys.stderr,
-            )
-            for mismatch in result.mismatches[:5]:
-                print(f"  {mismatch.request_id}: {mismatch.description}", file=sys.stderr)
-        if result.failed_requests:
-            failed = True
-            print(f"{result.scenario.name}: {result.failed_requests} request(s) failed", file=sys.stderr)
-    return 1 if failed else 0
-
-
 def main(argv: list[str] | None = None) -> int:
-    from tokenmill.benchmarks import scenarios
-
-    return common.run_as_script("scenarios", scenarios.__doc__, add_arguments, run, argv)
+    return common.run_as_script("scenarios", __doc__, add_arguments, run, argv)

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 
 from tokenmill.benchmarks.report import client_machine, report_dir
 from tokenmill.benchmarks.scenarios import http_driver
-from tokenmill.benchmarks.scenarios.command import finish, header_lines, preset_name, sizes_for
 from tokenmill.benchmarks.scenarios.features import TOGGLES
 from tokenmill.benchmarks.scenarios.report import MeasuredConfig, WorkloadResult, section
+from tokenmill.benchmarks.scenarios.results import finish, header_lines
+from tokenmill.benchmarks.scenarios.sizes import preset_name, sizes_for
 from tokenmill.benchmarks.scenarios.workloads import build_scenario, token_source
 
 MAX_SERVERS = 2

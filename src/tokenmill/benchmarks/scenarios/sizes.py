@@ -8,8 +8,11 @@ Each field is also a command-line flag (``batching_requests`` is ``--batching-re
 the preset.
 """
 
-from dataclasses import dataclass, field, replace
+import argparse
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+import torch
 
 
 def _knob(default: Any, help_text: str) -> Any:
@@ -93,3 +96,14 @@ GPU = replace(
     conversation_rate=4.0,
 )
 PRESETS: dict[str, Sizes] = {"cpu": CPU, "gpu": GPU}
+
+
+def preset_name(args: argparse.Namespace, device: torch.device | None) -> str:
+    if args.preset != "auto":
+        return str(args.preset)
+    return "gpu" if device is not None and device.type == "cuda" else "cpu"
+
+
+def sizes_for(args: argparse.Namespace, device: torch.device | None) -> Sizes:
+    overrides = {f.name: getattr(args, f.name) for f in fields(Sizes) if getattr(args, f.name) is not None}
+    return replace(PRESETS[preset_name(args, device)], **overrides)
