@@ -1,4 +1,5 @@
-"""oneDNN prepacked projections (``prepacked_cpu_linear``) against ``F.linear`` and transformers."""
+"""oneDNN prepacked projections (``KernelOptions.prepacked_cpu_linear``) against ``F.linear`` and
+transformers."""
 
 import pytest
 import torch
@@ -6,13 +7,10 @@ import torch.nn.functional as F
 
 from test_models_tiny import ARCHITECTURES, LOGIT_TOLERANCE, NEW_TOKENS, hf_greedy
 from tiny_models import VOCAB, save_tiny_model
+from tokenmill.kernels.options import KernelOptions
 from tokenmill.loading import load_model
-from tokenmill.models.layers.cpu_linear import (
-    pack_weight,
-    packed_linear,
-    prepack_linear_weights,
-    supports_prepacking,
-)
+from tokenmill.models.layers.cpu_linear import pack_weight, packed_linear, supports_prepacking
+from tokenmill.models.layers.linear import LinearProjection
 from tokenmill.reference import greedy_generate
 
 pytestmark = pytest.mark.skipif(
@@ -48,13 +46,13 @@ def test_only_float32_cpu_weights_are_packed() -> None:
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_prepacked_model_matches_transformers(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     reference = save_tiny_model(name, tmp_path)
-    model = load_model(tmp_path, dtype="float32").model
-    declaring = [m for m in model.modules() if hasattr(m, "packed_weight")]
-    assert prepack_linear_weights(model, True) == len(declaring) > 0
+    loaded = load_model(tmp_path, dtype="float32").model
+    model = loaded.with_kernels(KernelOptions(prepacked_cpu_linear=True))
+    projections = [m for m in model.modules() if isinstance(m, LinearProjection)]
+    assert projections and all(m.packed_weight is not None for m in projections)
     prompt = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(7)).tolist()
     ref_logits, ref_tokens = hf_greedy(reference, prompt, NEW_TOKENS)
     out = greedy_generate(model, prompt, NEW_TOKENS)
     assert torch.allclose(out.prompt_logits, ref_logits, atol=LOGIT_TOLERANCE, rtol=0), name
     assert out.token_ids == ref_tokens, name
-    assert prepack_linear_weights(model, False) == 0
-    assert all(m.packed_weight is None for m in declaring)
+    assert all(m.packed_weight is None for m in loaded.modules() if isinstance(m, LinearProjection))

@@ -679,8 +679,8 @@ class KernelCalls:
 def test_fused_model_matches_pytorch_and_toggles_are_independent(  # type: ignore[no-untyped-def]
     tiny_model_folder, device: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """All kernels on, each alone, and all off again: the logits of the PyTorch model every time, and
-    exactly the toggled kernels called."""
+    """Copies configured with all kernels on, and each alone: the logits of the PyTorch model every time,
+    and exactly the toggled kernels called; the loaded model itself stays plain PyTorch."""
     from tokenmill.kernels.options import KernelOptions
     from tokenmill.loading import load_model
 
@@ -689,13 +689,12 @@ def test_fused_model_matches_pytorch_and_toggles_are_independent(  # type: ignor
     calls = KernelCalls(monkeypatch)
     settings = [dict.fromkeys(KERNEL_TOGGLES, True)] + [{name: True} for name in KERNEL_TOGGLES]
     for setting in settings:
-        model.use_kernels(KernelOptions(**setting))
+        configured = model.with_kernels(KernelOptions(**setting))
         for lens, reference in zip(PACKINGS, references, strict=True):
-            logits = packed_logits(model, lens, device)
+            logits = packed_logits(configured, lens, device)
             difference = float((logits - reference).norm() / reference.norm())
             assert difference <= MODEL_TOLERANCE[dtype], (setting, lens, difference)
         assert calls.used() == set(setting), setting
-    model.use_kernels(KernelOptions())
     for lens, reference in zip(PACKINGS, references, strict=True):
         assert torch.equal(packed_logits(model, lens, device), reference)
     assert calls.used() == set()
@@ -737,7 +736,8 @@ def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_fo
         fused_rms_norm=True, fused_rotary=True, fused_activation=True, fused_gemv=True,
         fused_decode_rotary_kv=True, fused_sampling=True,
     )  # fmt: skip
-    assert loaded.model.kernel_options.enabled == KERNEL_TOGGLES
+    assert engine.runner.model.kernel_options.enabled == KERNEL_TOGGLES
+    assert not loaded.model.kernel_options.enabled, "the engine configures a copy, not the loaded model"
     assert engine.runner.sampler.fused and engine.runner.backend.fused_decode_rotary_kv
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=5, ignore_eos=True)

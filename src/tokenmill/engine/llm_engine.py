@@ -97,7 +97,7 @@ class LLMEngine:
             kernels.fused_activation,
             kernels.fused_gemv,
             kernels.programmatic_launch,
-            kernels.prepacked_cpu_linear,
+            prepacked_cpu_linear=kernels.prepacked_cpu_linear,
         )
         model: CausalLM = self.loaded.model.with_kernels(options)
         backend = create_attention_backend(kernels, device, options.pdl)

@@ -1,6 +1,6 @@
 """Which fused Triton kernels run in place of their PyTorch code. Importing this module imports no triton.
 
-Each option is resolved from a request: ``None`` (auto) turns the kernel on where it compiles (a CUDA
+Each kernel option is resolved from a request: ``None`` (auto) turns the kernel on where it compiles (a CUDA
 device with Triton installed) and off elsewhere; ``False`` forces the PyTorch code; ``True`` forces the
 kernel and is refused where it cannot run (on CPU it needs ``TRITON_INTERPRET=1``, for tests).
 """
@@ -14,11 +14,13 @@ from tokenmill.kernels import interpreter_enabled, triton_available
 # Rows (tokens) a projection may have to go through tokenmill.kernels.gemv; more go to cuBLAS, which reads
 # the weights once for all of them.
 GEMV_MAX_ROWS = 1
+_NOT_KERNELS = ("pdl", "prepacked_cpu_linear")
 
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """The model layers' fused paths; all off is plain PyTorch. Install with ``CausalLM.use_kernels``."""
+    """The model layers' fast paths; all off is plain PyTorch. A model runs them through
+    ``CausalLM.with_kernels(options)``, a copy with each layer bound to its path."""
 
     rms_norm: bool = False  # RMSNorm, and the residual add fused into it (tokenmill.kernels.rmsnorm)
     rotary: bool = False  # rotary embedding of q and k in place, one launch (tokenmill.kernels.rotary)
@@ -27,7 +29,8 @@ class KernelOptions:
     # Launch the kernels above (and the attention backend's) programmatically dependent: each starts while
     # the one before it finishes and waits only where it reads its results (tokenmill.kernels.launch).
     pdl: bool = False
-    prepacked_cpu_linear: bool = False  # TEMPORARY until the layers merge
+    # Float32 CPU projections through a oneDNN-reordered copy of their weight (models/layers/cpu_linear.py).
+    prepacked_cpu_linear: bool = False
 
     @classmethod
     def resolve(
@@ -40,7 +43,8 @@ class KernelOptions:
         pdl: bool | None = None,
         prepacked_cpu_linear: bool = False,
     ) -> "KernelOptions":
-        """Options for a model on ``device``; see the module docstring for None / True / False."""
+        """Options for a model on ``device``; see the module docstring for None / True / False.
+        ``prepacked_cpu_linear`` needs no resolving: layers whose weight cannot be packed ignore it."""
         return cls(
             rms_norm=resolve_kernel_toggle("rms_norm", rms_norm, device),
             rotary=resolve_kernel_toggle("rotary", rotary, device),
@@ -52,12 +56,8 @@ class KernelOptions:
 
     @property
     def enabled(self) -> tuple[str, ...]:
-        """The fused kernels switched on (``pdl`` is how they launch, not a kernel)."""
-        return tuple(
-            f.name
-            for f in fields(self)
-            if f.name not in ("pdl", "prepacked_cpu_linear") and getattr(self, f.name)
-        )
+        """The fused Triton kernels switched on (``pdl`` is how they launch, prepacking is not Triton)."""
+        return tuple(f.name for f in fields(self) if f.name not in _NOT_KERNELS and getattr(self, f.name))
 
 
 def kernels_auto_on(device: torch.device | str) -> bool:

@@ -1,20 +1,18 @@
 """What every architecture provides: config parsing, a packed forward pass, logits, and weight loading."""
 
+import copy
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 from torch import nn
 
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.layers.activation import GatedActivation
-from tokenmill.models.layers.embedding import ParallelLMHead
-from tokenmill.models.layers.linear import LinearBase, ShardId, weight_loader_of
-from tokenmill.models.layers.norm import RMSNorm
-from tokenmill.models.layers.rotary import RotaryEmbedding
+from tokenmill.models.layers.fusable import FusableLayer
+from tokenmill.models.layers.linear import ShardId, weight_loader_of
 
 
 class WeightLoadingError(ValueError):
@@ -38,34 +36,31 @@ class CausalLM(nn.Module, ABC):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.kernel_options = KernelOptions()
+        self.kernel_options = KernelOptions()  # what with_kernels configured (all off: plain PyTorch)
 
-    def use_kernels(self, options: KernelOptions) -> None:
-        """Switch each fusable layer to its Triton kernel or back to PyTorch, as ``options`` says.
+    def with_kernels(self, options: KernelOptions) -> Self:
+        """A copy of this model whose layers run the paths ``options`` ask for (Triton kernels, oneDNN
+        prepacking), sharing this model's parameters and buffers; this model is left as it was.
 
-        Model code stays the same either way: each layer picks its path in ``forward``. The engine
-        calls this once, from its ``EngineConfig`` toggles; a freshly loaded model runs plain PyTorch.
+        Engines over one loaded model each configure their own copy, so none changes another's kernels.
+        A freshly loaded model runs plain PyTorch; configure before capturing CUDA graphs of it.
         """
+        configured = copy.deepcopy(self, self._shared_tensors())
+        configured._configure_layers(options)
+        return configured
+
+    def _configure_layers(self, options: KernelOptions) -> None:
         for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.use_triton = options.rms_norm
-                module.pdl = options.pdl
-            elif isinstance(module, RotaryEmbedding):
-                module.use_triton = options.rotary
-                module.pdl = options.pdl
-            elif isinstance(module, GatedActivation):
-                module.use_triton = options.activation
-            elif isinstance(module, LinearBase | ParallelLMHead):
-                module.use_gemv = options.gemv
-                module.pdl = options.pdl
+            if isinstance(module, FusableLayer):
+                module.configure(options)
         self.kernel_options = options
 
-    def with_kernels(self, options: KernelOptions) -> "CausalLM":  # TEMPORARY shim until the layers merge
-        from tokenmill.models.layers.cpu_linear import prepack_linear_weights
-
-        self.use_kernels(options)
-        prepack_linear_weights(self, options.prepacked_cpu_linear)
-        return self
+    def _shared_tensors(self) -> dict[int, Any]:
+        """A ``deepcopy`` memo that maps every tensor the modules hold (parameters, buffers, packed weights)
+        to itself, so that a copy shares them instead of duplicating them."""
+        held = [value for module in self.modules() for value in vars(module).values()]
+        tensors = [*self.parameters(), *self.buffers(), *(v for v in held if isinstance(v, torch.Tensor))]
+        return {id(tensor): tensor for tensor in tensors}
 
     @classmethod
     @abstractmethod

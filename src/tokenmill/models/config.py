@@ -47,13 +47,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    @property
-    def num_params_estimate(self) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp) + embed
-
 
 class ConfigReader:
     """Typed access to a raw config dict; errors name ``source`` and the offending field."""

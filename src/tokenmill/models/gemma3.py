@@ -7,27 +7,23 @@
   the local layers using their own rope base (10k) and the global ones 1M (optionally scaled).
 """
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from tokenmill.attention import AttentionLayer
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ConfigReader, ModelConfig
 from tokenmill.models.layers import (
-    Attention,
     GeluTanhAndMul,
     ParallelLMHead,
-    QKVParallelLinear,
+    PreNormLinear,
     RMSNorm,
     RotaryEmbedding,
-    RowParallelLinear,
     VocabParallelEmbedding,
 )
-from tokenmill.models.layers.linear import ShardId
-from tokenmill.models.llama import GatedMLP, local_heads
+from tokenmill.models.llama import FUSED_QKV_GATE_UP, GatedMLP, QKNormAttention
 
 
 def gemma3_layer_is_sliding(reader: ConfigReader, num_layers: int) -> list[bool]:
@@ -70,37 +66,10 @@ def parse_gemma3_config(raw: dict[str, Any], source: str) -> ModelConfig:
     )
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        num_heads, num_kv_heads = local_heads(config)
-        self.q_size, self.kv_size = num_heads * config.head_dim, num_kv_heads * config.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, config.qkv_bias
-        )
-        self.o_proj = RowParallelLinear(
-            config.num_heads * config.head_dim, config.hidden_size, config.output_bias
-        )
-        self.q_norm = RMSNorm(config.head_dim, config.norm_eps, unit_offset=True)
-        self.k_norm = RMSNorm(config.head_dim, config.norm_eps, unit_offset=True)
-        self.rotary_emb = rotary
-        self.attn = Attention(
-            AttentionLayer(
-                layer_idx=layer_idx,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=config.head_dim,
-                scale=config.attention_scale,
-                sliding_window=config.sliding_windows[layer_idx],
-            )
-        )
+class Gemma3Attention(QKNormAttention):
+    """Per-head q and k norms, as Qwen3's, scaling by ``1 + w`` as every Gemma norm does."""
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        head_dim = self.attn.spec.head_dim
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(q.shape[0], -1, head_dim))
-        k = self.k_norm(k.reshape(k.shape[0], -1, head_dim))
-        return self.o_proj(self.attn(q, k, v, self.rotary_emb.pending(positions, head_dim)))
+    norm_unit_offset = True
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -113,12 +82,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dim, eps, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
+        # Each pre-norm runs with the projection after it, so that the two can run as one kernel. The
+        # residual adds come after the post-norms, so no residual is fused into the pre-norms.
+        self.norm_qkv_proj = PreNormLinear(self.input_layernorm, self.self_attn.qkv_proj)
+        self.norm_gate_up_proj = PreNormLinear(self.pre_feedforward_layernorm, self.mlp.gate_up_proj)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        attn_out = self.self_attn(positions, self.input_layernorm(hidden))
-        hidden = hidden + self.post_attention_layernorm(attn_out)
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp_out)
+        qkv, _ = self.norm_qkv_proj(hidden, None)
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(positions, qkv))
+        gate_up, _ = self.norm_gate_up_proj(hidden, None)
+        return hidden + self.post_feedforward_layernorm(self.mlp(gate_up))
 
 
 class Gemma3Model(nn.Module):
@@ -137,9 +110,8 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        # The scale is rounded to the model dtype first, as in the reference implementation.
-        # Rounded to the activations' dtype first, as the reference does; computed on the host so no tensor
-        # is copied to the device per call (which a CUDA graph could not capture).
+        # The scale is rounded to the activations' dtype first, as the reference does; computed on the host
+        # so that no tensor is copied to the device per call (which a CUDA graph could not capture).
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype).item()
         for layer in self.layers:
             hidden = layer(positions, hidden)
@@ -148,13 +120,7 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    stacked_params: ClassVar[tuple[tuple[str, str, ShardId], ...]] = (
-        ("q_proj", "qkv_proj", "q"),
-        ("k_proj", "qkv_proj", "k"),
-        ("v_proj", "qkv_proj", "v"),
-        ("gate_proj", "gate_up_proj", 0),
-        ("up_proj", "gate_up_proj", 1),
-    )
+    stacked_params = FUSED_QKV_GATE_UP
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__(config)

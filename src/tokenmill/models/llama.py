@@ -15,8 +15,11 @@ from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ConfigReader, ModelConfig
 from tokenmill.models.layers import (
     Attention,
+    GatedActivation,
+    GatedActivationLinear,
     MergedColumnParallelLinear,
     ParallelLMHead,
+    PreNormLinear,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -24,8 +27,16 @@ from tokenmill.models.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
-from tokenmill.models.layers.activation import GatedActivation
-from tokenmill.models.layers.linear import ShardId, norm_and_project
+from tokenmill.models.layers.linear import ShardId
+
+# Checkpoint projections fused here: q/k/v into qkv_proj, gate/up into gate_up_proj (Llama and Gemma).
+FUSED_QKV_GATE_UP: tuple[tuple[str, str, ShardId], ...] = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
 
 
 def local_heads(config: ModelConfig) -> tuple[int, int]:
@@ -81,6 +92,12 @@ def parse_llama_config(raw: dict[str, Any], source: str, architecture: str) -> M
 
 
 class LlamaAttention(nn.Module):
+    """Grouped-query attention with rotary positions, from the fused ``[T, q | k | v]`` projection.
+
+    The decoder layer applies ``qkv_proj`` together with the norm before it (:class:`PreNormLinear`), so
+    ``forward`` takes the projection; it attends and applies ``o_proj``.
+    """
+
     def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         num_heads, num_kv_heads = local_heads(config)
@@ -107,30 +124,45 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q, k, v
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """The rest of the block once q, k and v are projected (fused ``[T, q | k | v]``)."""
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_qkv(qkv)
         return self.o_proj(self.attn(q, k, v, self.rotary_emb.pending(positions, self.attn.spec.head_dim)))
 
 
+class QKNormAttention(LlamaAttention):
+    """Llama attention with an RMSNorm over each query and key head before rotary (Qwen3, Gemma 3)."""
+
+    norm_unit_offset: ClassVar[bool] = False  # the norms scale by 1 + w (Gemma)
+
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__(config, layer_idx, rotary)
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps, self.norm_unit_offset)
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps, self.norm_unit_offset)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().split_qkv(qkv)
+        head_dim = self.attn.spec.head_dim
+        q = self.q_norm(q.reshape(-1, head_dim)).view(q.shape)
+        k = self.k_norm(k.reshape(-1, head_dim)).view(k.shape)
+        return q, k, v
+
+
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with gate and up fused in one matmul."""
+    """``down_proj(act(gate) * up)`` with gate and up fused in one projection, ``gate_up_proj``.
+
+    The decoder layer applies ``gate_up_proj`` together with the norm before it (:class:`PreNormLinear`),
+    so ``forward`` takes the projection.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: GatedActivation) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
         self.act_fn = act
+        self.act_and_down_proj = GatedActivationLinear(act, self.down_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The rest of the MLP once gate and up are projected."""
-        return self.down_proj.forward_gated(gate_up, self.act_fn)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.act_and_down_proj(gate_up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -140,17 +172,19 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, SiluAndMul())
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        # Each norm runs with the projection after it, so that the two can run as one kernel.
+        self.norm_qkv_proj = PreNormLinear(self.input_layernorm, self_attn.qkv_proj)
+        self.norm_gate_up_proj = PreNormLinear(self.post_attention_layernorm, self.mlp.gate_up_proj)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each norm is applied with the projection after it, so the two can run as one kernel.
-        qkv, residual = norm_and_project(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
-        hidden = self.self_attn.attend(positions, qkv)
-        gate_up, residual = norm_and_project(
-            self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual
-        )
-        return self.mlp.down(gate_up), residual
+        """The block on ``hidden + residual``; returns its output and the residual stream, which the next
+        block's input norm adds (the first block has none yet)."""
+        qkv, residual = self.norm_qkv_proj(hidden, residual)
+        hidden = self.self_attn(positions, qkv)
+        gate_up, residual = self.norm_gate_up_proj(hidden, residual)
+        return self.mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):
@@ -174,13 +208,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    stacked_params: ClassVar[tuple[tuple[str, str, ShardId], ...]] = (
-        ("q_proj", "qkv_proj", "q"),
-        ("k_proj", "qkv_proj", "k"),
-        ("v_proj", "qkv_proj", "v"),
-        ("gate_proj", "gate_up_proj", 0),
-        ("up_proj", "gate_up_proj", 1),
-    )
+    stacked_params = FUSED_QKV_GATE_UP
     attention_cls: type[LlamaAttention] = LlamaAttention
     architecture_name = "LlamaForCausalLM"
 

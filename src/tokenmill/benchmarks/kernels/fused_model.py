@@ -1,5 +1,5 @@
 """Real model shapes (dummy weights, norm scales perturbed) with every fused layer kernel on, against the
-same model in plain PyTorch (``CausalLM.use_kernels``): last-layer logits of a packed prefill must agree
+same model in plain PyTorch (``CausalLM.with_kernels``): last-layer logits of a packed prefill must agree
 within the dtype's tolerance, and a decode-shaped forward (``T`` one-token sequences, Triton attention
 without a cache, no logits) is timed both ways, eagerly and replayed from a CUDA graph.
 """
@@ -64,13 +64,15 @@ def _model_row(
     ).model
     _perturb_norms(model)
     plain = _prefill_logits(model, PREFILL_LENS)
-    model.use_kernels(ALL_ON)
-    fused = _prefill_logits(model, PREFILL_LENS)
+    fused_model = model.with_kernels(ALL_ON)
+    fused = _prefill_logits(fused_model, PREFILL_LENS)
     difference = float((fused - plain).norm() / plain.norm())
     agreement = float((fused.argmax(-1) == plain.argmax(-1)).float().mean())
     status = "ok" if difference <= TOLERANCE[dtype] else f"WRONG ({difference:.1e})"
-    timings = [_decode_timing(timer, model, tokens) for tokens in decode_tokens] if status == "ok" else []
-    del model
+    timings = []
+    if status == "ok":
+        timings = [_decode_timing(timer, model, fused_model, tokens) for tokens in decode_tokens]
+    del model, fused_model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return ModelRow(preset, str(dtype).removeprefix("torch."), status, difference, agreement, timings)
@@ -95,27 +97,28 @@ def _prefill_logits(model: CausalLM, lens: Sequence[int]) -> torch.Tensor:
         return model.compute_logits(model(input_ids, positions)).float()
 
 
-def _decode_timing(timer: Timer, model: CausalLM, tokens: int) -> Timing:
+def _decode_timing(timer: Timer, plain: CausalLM, fused: CausalLM, tokens: int) -> Timing:
     from tokenmill.attention.triton_backend import TritonAttentionBackend
 
-    forward = _decode_shaped_forward(model, tokens, TritonAttentionBackend())
-    model.use_kernels(KernelOptions())
-    eager_plain, graph_plain = timer(forward), timer.graphed(forward)
-    model.use_kernels(ALL_ON)
-    eager_fused, graph_fused = timer(forward), timer.graphed(forward)
+    forward = _decode_shaped_forward(plain, tokens, TritonAttentionBackend())
+    eager_plain, graph_plain = timer(lambda: forward(plain)), timer.graphed(lambda: forward(plain))
+    eager_fused, graph_fused = timer(lambda: forward(fused)), timer.graphed(lambda: forward(fused))
     return tokens, eager_plain, eager_fused, graph_plain, graph_fused
 
 
-def _decode_shaped_forward(model: CausalLM, tokens: int, backend: AttentionBackend) -> Callable[[], object]:
+def _decode_shaped_forward(
+    model: CausalLM, tokens: int, backend: AttentionBackend
+) -> Callable[[CausalLM], object]:
+    """A decode-shaped forward of ``model`` or a configured copy of it, on the same inputs."""
     device = next(model.parameters()).device
     input_ids = torch.randint(0, model.config.vocab_size, (tokens,), device=device)
     positions = torch.randint(0, MAX_MODEL_LEN, (tokens,), device=device)
     metadata = AttentionMetadata.for_prefill([1] * tokens, device)
 
     @torch.inference_mode()
-    def forward() -> torch.Tensor:
+    def forward(configured: CausalLM) -> torch.Tensor:
         with forward_context(ForwardContext(metadata, backend)):
-            hidden: torch.Tensor = model(input_ids, positions)
+            hidden: torch.Tensor = configured(input_ids, positions)
         return hidden
 
     return forward

@@ -1,13 +1,14 @@
 """Building blocks shared by every architecture."""
 
-from tokenmill.models.layers.activation import GeluTanhAndMul, SiluAndMul, gelu_tanh
+from tokenmill.models.layers.activation import GatedActivation, GeluTanhAndMul, SiluAndMul, gelu_tanh
 from tokenmill.models.layers.attention import Attention
 from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.models.layers.fusable import FusableLayer
+from tokenmill.models.layers.fused import GatedActivationLinear, PreNormLinear
 from tokenmill.models.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from tokenmill.models.layers.norm import LayerNorm, RMSNorm
@@ -16,13 +17,16 @@ from tokenmill.models.layers.rotary import RotaryEmbedding
 __all__ = [
     "Attention",
     "ColumnParallelLinear",
+    "FusableLayer",
+    "GatedActivation",
+    "GatedActivationLinear",
     "GeluTanhAndMul",
     "LayerNorm",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
+    "PreNormLinear",
     "QKVParallelLinear",
     "RMSNorm",
-    "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",

@@ -1,21 +1,54 @@
 """Gated activations over a fused ``[gate | up]`` projection: ``act(gate) * up``.
 
-With ``use_triton`` set (``CausalLM.use_kernels``), one ``tokenmill.kernels.activation`` launch reads the
+Configured with ``KernelOptions.activation``, one ``tokenmill.kernels.activation`` launch reads the
 projection once and writes the product, rounding ``act(gate)`` to the input dtype as the code below does.
 """
 
-from typing import ClassVar
+from collections.abc import Callable
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from tokenmill.kernels.options import KernelOptions
+from tokenmill.models.layers.fusable import FusableLayer
+
+GateKind = Literal["silu", "gelu_tanh"]
 
 
-class GatedActivation(nn.Module):
-    """``act(gate) * up`` over a fused ``[gate | up]`` input; ``kind`` names ``act`` for fused kernels."""
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (GPT-2's ``gelu_new``, Gemma's ``gelu_pytorch_tanh``)."""
+    return F.gelu(x, approximate="tanh")
 
-    kind: ClassVar[str]
-    use_triton: bool
+
+GATE_ACTIVATIONS: dict[GateKind, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": gelu_tanh,
+}
+
+
+class GatedActivation(FusableLayer):
+    """``act(gate) * up`` over a fused ``[gate | up]`` input; ``kind`` names ``act`` (for the kernels too)."""
+
+    kind: ClassVar[GateKind]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.configure(KernelOptions())
+
+    def configure(self, options: KernelOptions) -> None:
+        self._forward: Callable[[torch.Tensor], torch.Tensor] = self.forward_torch
+        if options.activation:
+            from tokenmill.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+
+            self._forward = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}[self.kind]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return GATE_ACTIVATIONS[self.kind](gate) * up
 
 
 class SiluAndMul(GatedActivation):
@@ -23,37 +56,8 @@ class SiluAndMul(GatedActivation):
 
     kind = "silu"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.use_triton = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
-            from tokenmill.kernels.activation import silu_and_mul
-
-            return silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
 
 class GeluTanhAndMul(GatedActivation):
     """GeGLU with the tanh approximation of GELU (Gemma)."""
 
     kind = "gelu_tanh"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.use_triton = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
-            from tokenmill.kernels.activation import gelu_tanh_and_mul
-
-            return gelu_tanh_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's ``gelu_new``."""
-    return F.gelu(x, approximate="tanh")

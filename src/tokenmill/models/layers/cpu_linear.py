@@ -7,11 +7,14 @@ layout, after which SmolLM2-135M's layer projections at 12 rows take about a thi
 order), and a row's result does not depend on how many rows share the call.
 
 The packed copy is made from the weight as it is then (after loading) and is opaque; it costs the weight's
-size again in memory. ``prepack_linear_weights`` gives every eligible layer one, or takes them away.
+size again in memory, once however many configured copies of a model use it (:func:`shared_packed_weight`).
+Layers take one when configured with ``KernelOptions.prepacked_cpu_linear``.
 """
 
+import weakref
+
 import torch
-from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 _BATCH_HINT = 16  # rows oneDNN tunes the packed layout for; any row count runs on it
 
@@ -37,17 +40,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def prepack_linear_weights(model: nn.Module, enabled: bool) -> int:
-    """Set ``packed_weight`` on every module that declares one (linear layers, the LM head): a packed copy
-    of its weight when ``enabled`` and the weight supports it, else None. Returns how many were packed."""
-    packed = 0
-    for module in model.modules():
-        if not hasattr(module, "packed_weight"):
-            continue
-        weight = module.weight
-        copy = None
-        if enabled and isinstance(weight, torch.Tensor) and supports_prepacking(weight):
-            copy = pack_weight(weight)
-            packed += 1
-        setattr(module, "packed_weight", copy)  # noqa: B010 (a plain attribute, not a submodule)
+# weight -> a weak reference to its packed copy: the configured layers hold the copy, and it goes with them.
+_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def shared_packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``pack_weight(weight)``, made once while any layer holds it: engines configured over one loaded model
+    share its packed copies as they share its weights. The weight must not change after it is packed."""
+    ref = _PACKED.get(weight)
+    packed = ref() if ref is not None else None
+    if packed is None:
+        packed = pack_weight(weight)
+        _PACKED[weight] = weakref.ref(packed)
     return packed

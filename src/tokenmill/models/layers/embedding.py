@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import all_gather_last_dim, all_reduce_sum, divide, tp_rank, tp_world_size
-from tokenmill.models.layers.cpu_linear import packed_linear
-from tokenmill.models.layers.linear import ShardId, gemv_fits
+from tokenmill.kernels.options import KernelOptions
+from tokenmill.models.layers.linear import LinearProjection, ShardId
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -35,25 +35,16 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce_sum(out.masked_fill(outside.unsqueeze(-1), 0))
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to float32 logits over the full vocabulary.
+class ParallelLMHead(VocabParallelEmbedding, LinearProjection):
+    """Projects hidden states to float32 logits over the full vocabulary, through the linear layers' paths
+    (:class:`LinearProjection`); the GEMV writes float32 logits directly (no separate cast of the largest
+    activation of the step)."""
 
-    With ``use_gemv`` (``CausalLM.use_kernels``) a single row goes through the Triton GEMV, which writes
-    float32 logits directly (no separate cast of the largest activation of the step)."""
+    gemv_out_dtype = torch.float32
 
     def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__(vocab_size, dim)
-        self.packed_weight: torch.Tensor | None = None  # oneDNN copy of weight (cpu_linear), when prepacked
-        self.use_gemv: bool = False
-        self.pdl: bool = False  # launch the GEMV programmatically dependent (tokenmill.kernels.launch)
+        self.configure(KernelOptions())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.use_gemv and gemv_fits(hidden, self.weight):
-            from tokenmill.kernels.gemv import gemv
-
-            logits = gemv(hidden, self.weight, pdl=self.pdl, out_dtype=torch.float32)
-        elif self.packed_weight is not None:
-            logits = packed_linear(hidden, self.packed_weight, None)
-        else:
-            logits = F.linear(hidden, self.weight)
-        return all_gather_last_dim(logits).float()
+        return all_gather_last_dim(self.project(hidden)).float()

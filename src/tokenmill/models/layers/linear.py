@@ -4,23 +4,22 @@ Column-parallel layers split the output features across tensor-parallel ranks, r
 input features (and sum the partial results). Fused layers (QKV, gate+up) take the separate checkpoint
 tensors one shard at a time. With one rank these are plain linear layers; model code is the same either way.
 
-With ``use_gemv`` set (``CausalLM.use_kernels``), inputs of at most ``GEMV_MAX_ROWS``
-rows (small-batch decode) go through the Triton GEMV, which can also take the step before the projection:
-``forward_gated`` applies a gated activation first, :func:`norm_and_project` an RMSNorm. With a
-``packed_weight`` (float32 on CPU, ``EngineConfig.prepacked_cpu_linear``) they run through oneDNN.
+Each projection runs on the path bound when configured (:class:`LinearProjection`): with
+``KernelOptions.gemv``, inputs of at most ``GEMV_MAX_ROWS`` rows (small-batch decode) go through the
+Triton GEMV; with ``KernelOptions.prepacked_cpu_linear``, float32 CPU weights through oneDNN.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import all_reduce_sum, divide, tp_rank, tp_world_size
-from tokenmill.kernels.options import GEMV_MAX_ROWS
-from tokenmill.models.layers.activation import GatedActivation
-from tokenmill.models.layers.cpu_linear import packed_linear
-from tokenmill.models.layers.norm import RMSNorm
+from tokenmill.kernels.options import GEMV_MAX_ROWS, KernelOptions
+from tokenmill.models.layers.cpu_linear import packed_linear, shared_packed_weight, supports_prepacking
+from tokenmill.models.layers.fusable import FusableLayer
 
 ShardId = str | int | None
 
@@ -40,15 +39,70 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: S
     param.data.copy_(loaded)
 
 
-def weight_loader_of(param: nn.Parameter):  # type: ignore[no-untyped-def]
-    return getattr(param, "weight_loader", default_weight_loader)
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, ShardId], None]
+
+
+def weight_loader_of(param: nn.Parameter) -> WeightLoader:
+    """The loader the owning layer attached to ``param`` (it knows the shard this rank holds)."""
+    loader: WeightLoader = getattr(param, "weight_loader", default_weight_loader)
+    return loader
 
 
 def _parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class LinearBase(nn.Module):
+class LinearProjection(FusableLayer):
+    """``x W^T (+ b)`` with this rank's weight, on the path bound by :meth:`configure`: the Triton GEMV for
+    the rows it takes, oneDNN's packed copy of a float32 CPU weight, or ``F.linear``.
+
+    Linear layers and the LM head share these paths; a subclass provides ``weight`` and the bias it adds.
+    """
+
+    weight: nn.Parameter
+    gemv_out_dtype: ClassVar[torch.dtype | None] = None  # the GEMV's output dtype (None: the input's)
+
+    def configure(self, options: KernelOptions) -> None:
+        self.pdl = options.pdl  # launch the GEMV programmatically dependent (tokenmill.kernels.launch)
+        self.packed_weight: torch.Tensor | None = None  # oneDNN copy of weight (cpu_linear), when prepacked
+        if options.prepacked_cpu_linear and supports_prepacking(self.weight):
+            self.packed_weight = shared_packed_weight(self.weight)
+        self._matmul: Callable[[torch.Tensor], torch.Tensor] = (
+            self.project_torch if self.packed_weight is None else self.project_packed
+        )
+        self._project = self._matmul
+        if options.gemv:
+            from tokenmill.kernels.gemv import gemv
+
+            self._gemv_kernel = gemv
+            self._project = self.project_gemv
+
+    def local_bias(self) -> torch.Tensor | None:
+        """The bias this rank adds (row-parallel layers add it on one rank only)."""
+        return None
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's ``x W^T + b``, before the ranks' outputs are combined."""
+        return self._project(x)
+
+    def project_torch(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.local_bias())
+
+    def project_packed(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.packed_weight is not None  # bound only with a packed copy
+        return packed_linear(x, self.packed_weight, self.local_bias())
+
+    def project_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """The GEMV for inputs it takes (:func:`gemv_fits`); more rows read the weight once through the
+        matmul bound beside it."""
+        if not gemv_fits(x, self.weight):
+            return self._matmul(x)
+        return self._gemv_kernel(
+            x, self.weight, self.local_bias(), pdl=self.pdl, out_dtype=self.gemv_out_dtype
+        )
+
+
+class LinearBase(LinearProjection):
     """``y = x W^T + b`` with ``W`` of shape ``[out_local, in_local]``; weights are filled by the loader."""
 
     def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
@@ -59,52 +113,20 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = _parameter(out_local)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.use_gemv: bool = False
-        self.pdl: bool = False  # launch the GEMV programmatically dependent (tokenmill.kernels.launch)
-        self.packed_weight: torch.Tensor | None = None  # oneDNN copy of weight (cpu_linear), when prepacked
+        self.configure(KernelOptions())
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(self._project(x))
-
-    def forward_gated(self, x: torch.Tensor, activation: GatedActivation) -> torch.Tensor:
-        """``forward(activation(x))`` for a fused ``[gate | up]`` input."""
-        if self.gemv_fits(x):
-            from tokenmill.kernels.gemv import gated_gemv
-
-            return self.reduce(gated_gemv(x, self.weight, activation.kind, self.local_bias(), pdl=self.pdl))
-        return self.forward(activation(x))
-
-    def gemv_fits(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through the Triton GEMV: few rows, and the weight's dtype."""
-        return self.use_gemv and gemv_fits(x, self.weight)
+        return self.reduce(self.project(x))
 
     def local_bias(self) -> torch.Tensor | None:
-        """The bias this rank adds (row-parallel layers add it on one rank only)."""
         return self.bias
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Combine the ranks' outputs (row-parallel layers sum their partial products)."""
         return partial
-
-    def _project(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv_fits(x):
-            from tokenmill.kernels.gemv import gemv
-
-            return gemv(x, self.weight, self.local_bias(), pdl=self.pdl)
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.local_bias())
-        return F.linear(x, self.weight, self.local_bias())
-
-
-class ReplicatedLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        default_weight_loader(param, loaded)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -183,28 +205,3 @@ class RowParallelLinear(LinearBase):
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(partial)
-
-
-def norm_and_project(
-    norm: RMSNorm, linear: LinearBase, hidden: torch.Tensor, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``linear(norm(hidden + residual))`` and the new residual stream ``hidden + residual`` (``hidden``
-    when ``residual`` is None): one GEMV launch when the rows fit it, else the norm then the projection."""
-    if linear.gemv_fits(hidden) and norm.weight.dtype == hidden.dtype:
-        from tokenmill.kernels.gemv import rms_norm_gemv
-
-        out, residual = rms_norm_gemv(
-            hidden,
-            linear.weight,
-            norm.weight,
-            norm.eps,
-            residual,
-            norm.unit_offset,
-            linear.local_bias(),
-            pdl=linear.pdl,
-        )
-        return linear.reduce(out), residual
-    if residual is None:
-        return linear(norm(hidden)), hidden
-    normed, residual = norm(hidden, residual)
-    return linear(normed), residual

@@ -1,17 +1,21 @@
 """Rotary position embeddings (rotate-half layout), with Llama 3 and linear frequency scaling.
 
-With ``use_triton`` set (``CausalLM.use_kernels``), ``tokenmill.kernels.rotary`` rotates q and k in place
-in one launch, rounding where the PyTorch code below does.
+Configured with ``KernelOptions.rotary``, ``tokenmill.kernels.rotary`` rotates q and k in place in one
+launch, rounding where the PyTorch code below does.
 """
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from tokenmill.attention import PendingRotary
+from tokenmill.kernels.options import KernelOptions
 from tokenmill.models.config import RopeConfig
+from tokenmill.models.layers.fusable import FusableLayer
+
+Pair = tuple[torch.Tensor, torch.Tensor]
 
 
 def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
@@ -36,7 +40,7 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(FusableLayer):
     """Rotates ``q`` and ``k`` (``[T, heads, head_dim]``) by their token positions."""
 
     def __init__(self, rotary_dim: int, max_positions: int, rope: RopeConfig) -> None:
@@ -48,20 +52,31 @@ class RotaryEmbedding(nn.Module):
         # float32 whatever the model dtype; cast at use, as the reference implementation does.
         self.cos_sin_cache: torch.Tensor
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-        self.use_triton = False
-        self.pdl = False  # launch the kernel programmatically dependent (tokenmill.kernels.launch)
+        self.configure(KernelOptions())
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated ``query`` and ``key``; the fused path rotates them in place and returns them."""
-        if self.use_triton and self.rotary_dim == query.shape[-1]:
+    def configure(self, options: KernelOptions) -> None:
+        self.pdl = options.pdl  # launch the kernel programmatically dependent (tokenmill.kernels.launch)
+        self._rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Pair] = self.forward_torch
+        if options.rotary:
             from tokenmill.kernels.rotary import apply_rotary_
 
-            apply_rotary_(positions, query, key, self.cos_sin_cache, self.pdl)
-            return query, key
+            self._apply_rotary_kernel = apply_rotary_
+            self._rotate = self.forward_triton
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> Pair:
+        """Rotated ``query`` and ``key``; the Triton path rotates them in place and returns them."""
+        return self._rotate(positions, query, key)
+
+    def forward_torch(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> Pair:
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def forward_triton(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> Pair:
+        """In place, one launch; the kernel rotates whole heads, so partial rotation takes PyTorch."""
+        if self.rotary_dim != query.shape[-1]:
+            return self.forward_torch(positions, query, key)
+        self._apply_rotary_kernel(positions, query, key, self.cos_sin_cache, self.pdl)
+        return query, key
 
     def pending(self, positions: torch.Tensor, head_dim: int) -> PendingRotary:
         """This rotation by ``positions``, for the attention backend to apply or fuse (heads of
