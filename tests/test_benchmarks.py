@@ -231,6 +231,8 @@ def test_provenance_without_git_or_a_checkout_says_unknown(
     monkeypatch.setenv("PATH", str(tmp_path))  # no git at all
     assert report.source_commit() == "unknown"
     assert report.provenance("a machine").commit == "unknown"
+    monkeypatch.setenv("TOKENMILL_COMMIT", "abc1234")  # a shipped copy of the tree names its commit
+    assert report.provenance("a machine").commit == "abc1234"
 
 
 # -- latency and throughput --------------------------------------------------------------------------------

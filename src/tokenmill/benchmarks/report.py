@@ -176,7 +176,11 @@ def provenance_header(machine: "Hardware | str", argv: Sequence[str] | None = No
 def source_commit(package: Path = _PACKAGE) -> str:
     """``git rev-parse --short HEAD`` of the checkout tokenmill runs from, plus "+dirty" when tracked files
     differ from it; "unknown" when tokenmill is not a tracked part of a git checkout (an installed wheel,
-    a copy) or git is missing. Never raises."""
+    a copy) or git is missing. Never raises. ``TOKENMILL_COMMIT`` names the commit instead, for a copy of
+    the tree whose git metadata is missing or stale (a work tree shipped to another machine)."""
+    named = os.environ.get("TOKENMILL_COMMIT")
+    if named:
+        return named
     try:
         _git(package, "ls-files", "--error-unmatch", "__init__.py")  # a checkout, and tokenmill's own
         commit = _git(package, "rev-parse", "--short", "HEAD")
