@@ -47,6 +47,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.prefill_config = prefill_config
         self.pdl = pdl
         self.fused_decode_rotary_kv = fused_decode_rotary_kv
+        self._decode = self._decode_fused if fused_decode_rotary_kv else self._decode_separate
 
     def forward(
         self,
@@ -90,7 +91,7 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.derived,
         )
 
-    def _decode(
+    def _decode_fused(
         self,
         layer: AttentionLayer,
         query: torch.Tensor,
@@ -100,18 +101,44 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: KVCacheLayer,
         rotary: PendingRotary | None,
     ) -> torch.Tensor:
-        """One new token per sequence. With ``fused_decode_rotary_kv`` a single launch per layer: the
-        decode kernel stores the new K/V, and rotates q and k on the way when the rotation covers the whole
-        head (otherwise it is applied first); without, the rotary and KV-write kernels run before it."""
+        """One new token per sequence, one launch per layer: the decode kernel stores the new K/V, and
+        rotates q and k on the way when the rotation covers the whole head (otherwise it is applied first)."""
         slot_mapping, block_tables = _require_paging(metadata)
-        fused = self.fused_decode_rotary_kv
         rotation = None
-        if fused and rotary is not None and rotary.cos_sin_cache is not None:
+        if rotary is not None and rotary.cos_sin_cache is not None:
             rotation = Rotation(rotary.positions, rotary.cos_sin_cache)
         elif rotary is not None:
             query, key = rotary.apply(query, key)
-        if not fused:
-            write_kv(key, value, kv_cache.key, kv_cache.value, slot_mapping, self.pdl)
+        new_tokens = NewTokens(key, value, slot_mapping)
+        return self._decode_attention(layer, query, kv_cache, block_tables, metadata, new_tokens, rotation)
+
+    def _decode_separate(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: KVCacheLayer,
+        rotary: PendingRotary | None,
+    ) -> torch.Tensor:
+        """One new token per sequence: the rotary and KV-write kernels run before the decode kernel."""
+        slot_mapping, block_tables = _require_paging(metadata)
+        if rotary is not None:
+            query, key = rotary.apply(query, key)
+        write_kv(key, value, kv_cache.key, kv_cache.value, slot_mapping, self.pdl)
+        return self._decode_attention(layer, query, kv_cache, block_tables, metadata, None, None)
+
+    def _decode_attention(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        kv_cache: KVCacheLayer,
+        block_tables: torch.Tensor,
+        metadata: AttentionMetadata,
+        new_tokens: NewTokens | None,
+        rotation: Rotation | None,
+    ) -> torch.Tensor:
         return paged_decode_attention(
             query,
             kv_cache.key,
@@ -124,7 +151,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.decode_partition_size,
             self.decode_config,
             pdl=self.pdl,
-            new_tokens=NewTokens(key, value, slot_mapping) if fused else None,
+            new_tokens=new_tokens,
             rotation=rotation,
         )
 
