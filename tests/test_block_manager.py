@@ -5,21 +5,27 @@ with a plain ownership map, so a bug shows up at the operation that caused it.
 """
 
 import random
+import sys
 from collections import Counter
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceOf
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kv_helpers import make_sequence, naive_slot, slot_of
 from tokenmill.attention.torch_backend import gather_kv_cache, write_kv_cache
 from tokenmill.cache import (
     BlockAllocator,
     BlockManager,
     CacheIntegrityError,
     NoFreeBlocksError,
-    TokenRange,
+    SeqId,
     UnknownSequenceError,
     allocate_kv_pool,
     kv_bytes_per_block,
@@ -27,12 +33,19 @@ from tokenmill.cache import (
     num_blocks_for_budget,
     num_blocks_from_gpu_memory,
 )
+from tokenmill.cache.kv_cache_manager import (
+    NO_HIT,
+    PagedKVCacheManager,
+    PrefixCachingKVCacheManager,
+    RecomputeKVCacheManager,
+    create_kv_cache_manager,
+)
+from tokenmill.config import SchedulerConfig
+from tokenmill.runner.step_inputs import build_step_arrays
+from tokenmill.scheduler.output import StepResult
+from tokenmill.scheduler.scheduler import Scheduler
 
 STATEFUL = settings(max_examples=60, stateful_step_count=40, deadline=None)
-
-
-def naive_slot(table: list[int], position: int, block_size: int) -> int:
-    return table[position // block_size] * block_size + position % block_size
 
 
 # --- allocator -----------------------------------------------------------------------------------------
@@ -208,6 +221,20 @@ TestAllocatorMachine.settings = STATEFUL
 
 # --- block manager -------------------------------------------------------------------------------------
 
+Range = tuple[SeqId, int, int]  # (sequence, start, end): tokens start:end of that sequence
+
+
+def slots_of(manager: BlockManager, ranges: SequenceOf[Range]) -> np.ndarray:
+    """``manager.slots`` over ``ranges``, each read against its sequence's current table."""
+    tables = [manager.table_view(seq_id) for seq_id, _, _ in ranges]
+    starts = np.array([start for _, start, _ in ranges], np.int64)
+    ends = np.array([end for _, _, end in ranges], np.int64)
+    return manager.slots(tables, starts, ends)
+
+
+def naive_slots(tables: Mapping[Any, list[int]], ranges: SequenceOf[Range], block_size: int) -> list[int]:
+    return [naive_slot(tables[s], p, block_size) for s, start, end in ranges for p in range(start, end)]
+
 
 def test_allocate_grows_tables_and_slots_follow_the_formula() -> None:
     manager = BlockManager(num_blocks=8, block_size=4)
@@ -216,20 +243,31 @@ def test_allocate_grows_tables_and_slots_follow_the_formula() -> None:
     assert manager.allocate("b", 1) == [2]
     assert manager.allocate("a", 9) == [3]
     assert manager.block_table("a") == [0, 1, 3]
-    assert manager.slot("a", 8) == 12
-    assert manager.slot_mapping("a", 2, 10) == [2, 3, 4, 5, 6, 7, 12, 13]
-    assert manager.capacity("a") == 12
+    assert slots_of(manager, [("a", 8, 9)]).tolist() == [12]
+    assert slots_of(manager, [("a", 2, 10)]).tolist() == [2, 3, 4, 5, 6, 7, 12, 13]
     assert manager.usage() == pytest.approx(4 / 8)
-    with pytest.raises(IndexError, match="outside its 3 block"):
-        manager.slot("a", 12)
+    with pytest.raises(IndexError, match="range 12:13 of row 0 is not within its 12 allocated slots"):
+        slots_of(manager, [("a", 12, 13)])
     manager.check_integrity()
+
+
+def test_block_table_is_a_copy_and_table_view_the_table_itself() -> None:
+    manager = BlockManager(num_blocks=4, block_size=2)
+    manager.allocate("a", 3)
+    copy, view = manager.block_table("a"), manager.table_view("a")
+    copy.append(3)
+    assert manager.table_view("a") == [0, 1] and view is manager.table_view("a")
+    manager.allocate("a", 5)
+    assert view == [0, 1, 2]  # the view follows the table as it grows
+    with pytest.raises(UnknownSequenceError):
+        manager.table_view("missing")
 
 
 def test_allocation_under_exhaustion_changes_nothing() -> None:
     manager = BlockManager(num_blocks=4, block_size=2)
     manager.allocate("a", 5)
-    assert manager.blocks_needed("a", 8) == 1 and manager.can_allocate(8, "a")
-    assert manager.blocks_needed("b", 5) == 3 and not manager.can_allocate(5)
+    assert manager.blocks_needed("a", 8) == 1 and manager.blocks_needed("a", 2) == 0
+    assert manager.blocks_needed("b", 5) == 3 > manager.num_free_blocks
     with pytest.raises(NoFreeBlocksError):
         manager.allocate("b", 5)
     assert "b" not in manager
@@ -271,36 +309,63 @@ def test_shared_prefix_holds_one_reference_per_table() -> None:
         manager.check_integrity(extra_refs={prefix[0]: 1})
 
 
-def test_build_block_tables_pads_with_block_zero() -> None:
+def test_truncate_releases_the_blocks_past_the_kept_ones_last_first() -> None:
+    manager = BlockManager(num_blocks=5, block_size=2)
+    manager.allocate("a", 8)
+    manager.share_prefix("b", manager.block_table("a")[:2])
+    manager.truncate("a", 4)
+    manager.truncate("a", 6)  # keeping more than it has changes nothing
+    assert manager.block_table("a") == [0, 1, 2, 3] and manager.num_free_blocks == 1
+    manager.truncate("a", 1)
+    assert manager.block_table("a") == [0]
+    assert [manager.allocator.refcount(b) for b in range(5)] == [2, 1, 0, 0, 0]  # b still holds block 1
+    assert manager.num_free_blocks == 3
+    manager.check_integrity()
+    # Released last first: blocks 3 then 2 joined the free list behind block 4, never used.
+    assert manager.allocate("c", 6) == [4, 3, 2]
+    manager.truncate("a", 0)
+    assert "a" in manager and manager.block_table("a") == [] and manager.allocator.refcount(0) == 1
+    with pytest.raises(ValueError, match="non-negative"):
+        manager.truncate("b", -1)
+    with pytest.raises(UnknownSequenceError):
+        manager.truncate("missing", 0)
+    assert manager.block_table("b") == [0, 1]
+    manager.free("c")  # also last block first
+    assert manager.allocate("a", 3) == [2, 3]  # a truncated table grows again
+    manager.check_integrity()
+
+
+def test_padded_tables_pad_with_block_zero() -> None:
     manager = BlockManager(num_blocks=8, block_size=2)
     manager.allocate("x", 2)
     manager.allocate("y", 7)
     manager.allocate("x", 4)
     manager.allocate("z", 0)
-    tables = manager.build_block_tables(["y", "x", "z"])
-    assert tables.dtype == torch.int32
-    assert tables.tolist() == [[1, 2, 3, 4], [0, 5, 0, 0], [0, 0, 0, 0]]
-    assert manager.build_block_tables(["x"], width=3).tolist() == [[0, 5, 0]]
-    assert manager.build_block_tables([]).shape == (0, 0)
+    tables = [manager.table_view(seq_id) for seq_id in ("y", "x", "z")]
+    padded = manager.padded_tables(tables, np.int32)
+    assert padded.dtype == np.int32
+    assert padded.tolist() == [[1, 2, 3, 4], [0, 5, 0, 0], [0, 0, 0, 0]]
+    wide = manager.padded_tables(tables[1:2], np.int64, width=3)
+    assert wide.dtype == np.int64 and wide.tolist() == [[0, 5, 0]]
+    assert manager.padded_tables([], np.int32).shape == (0, 0)
     with pytest.raises(ValueError, match="narrower"):
-        manager.build_block_tables(["y"], width=3)
+        manager.padded_tables(tables[:1], np.int32, width=3)
 
 
-def test_build_slot_mapping_packs_ranges_in_order() -> None:
+def test_slots_pack_ranges_in_order() -> None:
     manager = BlockManager(num_blocks=8, block_size=3)
     manager.allocate("x", 4)
     manager.allocate("y", 7)
-    ranges = [TokenRange("y", 5, 7), ("x", 0, 4), ("y", 2, 2), ("x", 3, 4)]
-    slots = manager.build_slot_mapping(ranges)
-    expected = [
-        naive_slot(manager.block_table(s), p, 3) for s, start, end in ranges for p in range(start, end)
-    ]
-    assert slots.dtype == torch.int64 and slots.tolist() == expected
-    assert manager.build_slot_mapping([]).tolist() == []
-    with pytest.raises(IndexError, match="range 5:7 of sequence 'x'"):
-        manager.build_slot_mapping([("y", 0, 1), ("x", 5, 7)])
-    with pytest.raises(IndexError):
-        manager.slot_mapping("x", 3, 2)
+    ranges: list[Range] = [("y", 5, 7), ("x", 0, 4), ("y", 2, 2), ("x", 3, 4)]
+    slots = slots_of(manager, ranges)
+    tables = {seq_id: manager.block_table(seq_id) for seq_id in "xy"}
+    assert slots.dtype == np.int64 and slots.tolist() == naive_slots(tables, ranges, 3)
+    assert slots_of(manager, []).tolist() == []
+    with pytest.raises(IndexError, match="range 5:7 of row 1 is not within its 6 allocated slots"):
+        slots_of(manager, [("y", 0, 1), ("x", 5, 7)])
+    for bad in [("x", 3, 2), ("x", -1, 2)]:
+        with pytest.raises(IndexError):
+            slots_of(manager, [bad])
 
 
 class ManagerModel:
@@ -310,6 +375,7 @@ class ManagerModel:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.tables: dict[int, list[int]] = {}
+        self.known: set[int] = {-1}  # every id the manager has seen, and one it never has
 
     def holders(self) -> Counter[int]:
         return Counter(block for table in self.tables.values() for block in table)
@@ -319,9 +385,10 @@ class ManagerModel:
 
     def check(self, manager: BlockManager) -> None:
         manager.check_integrity()
-        assert manager.seq_ids() == list(self.tables)
+        for seq_id in self.known:
+            assert (seq_id in manager) == (seq_id in self.tables), seq_id
         for seq_id, table in self.tables.items():
-            assert manager.block_table(seq_id) == table
+            assert manager.block_table(seq_id) == table == manager.table_view(seq_id)
             assert len(set(table)) == len(table)
         holders = self.holders()
         for block in range(self.num_blocks):
@@ -332,16 +399,19 @@ class ManagerModel:
 def random_operation(manager: BlockManager, model: ManagerModel, rng: random.Random) -> None:
     op = rng.random()
     live = sorted(model.tables)
-    if op < 0.45 or not live:
+    if op < 0.4 or not live:
         seq_id = rng.choice([*live, max(live, default=-1) + 1])
         grow_to(manager, model, seq_id, rng.randint(0, 6 * model.block_size))
-    elif op < 0.7:
+    elif op < 0.6:
         seq_id = rng.choice(live)
         manager.free(seq_id)
         del model.tables[seq_id]
-    elif op < 0.8:
+    elif op < 0.7:
         share_full_blocks(manager, model, rng.choice(live), max(live) + 1, rng)
-    elif op < 0.9:
+    elif op < 0.8:
+        seq_id = rng.choice(live)
+        truncate_to(manager, model, seq_id, rng.randint(0, len(model.tables[seq_id]) + 1))
+    elif op < 0.87:
         with pytest.raises(UnknownSequenceError):
             manager.free(max(live) + 1)
     else:
@@ -353,7 +423,6 @@ def grow_to(manager: BlockManager, model: ManagerModel, seq_id: int, total_token
     needed = max(0, -(-total_tokens // model.block_size) - len(have))
     assert manager.blocks_needed(seq_id, total_tokens) == needed
     if needed > model.num_free():
-        assert not manager.can_allocate(total_tokens, seq_id)
         with pytest.raises(NoFreeBlocksError):
             manager.allocate(seq_id, total_tokens)
         return
@@ -361,6 +430,7 @@ def grow_to(manager: BlockManager, model: ManagerModel, seq_id: int, total_token
     assert len(new_blocks) == needed
     assert not set(new_blocks) & set(model.holders()), "a block was handed out while owned"
     model.tables[seq_id] = [*have, *new_blocks]
+    model.known.add(seq_id)
 
 
 def share_full_blocks(
@@ -369,27 +439,32 @@ def share_full_blocks(
     prefix = model.tables[parent][: rng.randint(0, len(model.tables[parent]))]
     manager.share_prefix(child, prefix)
     model.tables[child] = list(prefix)
+    model.known.add(child)
+
+
+def truncate_to(manager: BlockManager, model: ManagerModel, seq_id: int, num_blocks: int) -> None:
+    manager.truncate(seq_id, num_blocks)
+    model.tables[seq_id] = model.tables[seq_id][:num_blocks]
 
 
 def check_slots(manager: BlockManager, model: ManagerModel, rng: random.Random) -> None:
-    ranges = []
+    ranges: list[tuple[int, int, int]] = []
     for seq_id, table in model.tables.items():
         capacity = len(table) * model.block_size
         start = rng.randint(0, capacity)
         ranges.append((seq_id, start, rng.randint(start, capacity)))
-    expected = [
-        naive_slot(model.tables[s], p, model.block_size)
-        for s, start, end in ranges
-        for p in range(start, end)
-    ]
-    assert manager.build_slot_mapping(ranges).tolist() == expected
-    for seq_id, start, end in ranges:
-        assert manager.slot_mapping(seq_id, start, end) == [
-            naive_slot(model.tables[seq_id], p, model.block_size) for p in range(start, end)
-        ]
-    tables = manager.build_block_tables(list(model.tables)).tolist()
+    rng.shuffle(ranges)
+    assert slots_of(manager, ranges).tolist() == naive_slots(model.tables, ranges, model.block_size)
+    for one in ranges:
+        assert slots_of(manager, [one]).tolist() == naive_slots(model.tables, [one], model.block_size)
+    if ranges:  # one token past a sequence's last block
+        last, _, _ = ranges[-1]
+        capacity = len(model.tables[last]) * model.block_size
+        with pytest.raises(IndexError, match="not within its"):
+            slots_of(manager, [*ranges[:-1], (last, capacity, capacity + 1)])
+    tables = manager.padded_tables([manager.table_view(seq_id) for seq_id in model.tables], np.int32)
     width = max((len(t) for t in model.tables.values()), default=0)
-    assert tables == [t + [0] * (width - len(t)) for t in model.tables.values()]
+    assert tables.tolist() == [t + [0] * (width - len(t)) for t in model.tables.values()]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -418,6 +493,7 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.manager = BlockManager(num_blocks=10, block_size=3)
         self.model = ManagerModel(num_blocks=10, block_size=3)
+        self.model.known.update(SEQ_IDS)
 
     @rule(seq_id=st.sampled_from(SEQ_IDS), total_tokens=st.integers(0, 20))
     def allocate(self, seq_id: int, total_tokens: int) -> None:
@@ -431,6 +507,14 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             with pytest.raises(UnknownSequenceError):
                 self.manager.free(seq_id)
+
+    @rule(seq_id=st.sampled_from(SEQ_IDS), num_blocks=st.integers(0, 8))
+    def truncate(self, seq_id: int, num_blocks: int) -> None:
+        if seq_id in self.model.tables:
+            truncate_to(self.manager, self.model, seq_id, num_blocks)
+        else:
+            with pytest.raises(UnknownSequenceError):
+                self.manager.truncate(seq_id, num_blocks)
 
     def empty_ids(self) -> list[int]:
         return [s for s in SEQ_IDS if not self.model.tables.get(s)]
@@ -454,11 +538,170 @@ class ManagerMachine(RuleBasedStateMachine):
         for seq_id in list(self.model.tables):
             self.manager.free(seq_id)
         self.manager.check_integrity()
-        assert self.manager.num_used_blocks == 0
+        assert self.manager.allocator.num_used == 0
 
 
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = STATEFUL
+
+
+# --- KV cache managers (what the scheduler calls) -------------------------------------------------------
+
+
+def test_create_kv_cache_manager_picks_the_mode() -> None:
+    assert isinstance(create_kv_cache_manager("none", 0, 1, False), RecomputeKVCacheManager)
+    paged = create_kv_cache_manager("paged", 4, 2, False)
+    assert type(paged) is PagedKVCacheManager and (paged.blocks.num_blocks, paged.block_size) == (4, 2)
+    assert isinstance(create_kv_cache_manager("paged", 4, 2, True), PrefixCachingKVCacheManager)
+
+
+def test_paged_manager_allocates_all_or_nothing_keeping_blocks_free_on_request() -> None:
+    kv = PagedKVCacheManager(num_blocks=6, block_size=4)
+    a, b = make_sequence("a", range(9)), make_sequence("b", range(3))
+    assert kv.match(a) == NO_HIT
+    assert kv.blocks_needed(a, 9) == 3 and kv.allocate(a, 9)
+    assert kv.block_table(a) == [0, 1, 2] and (kv.num_free_blocks, kv.num_used_blocks) == (3, 3)
+    assert not kv.allocate(b, 12, keep_free=1)  # its 3 blocks would leave none free
+    assert not kv.allocate(b, 13)  # 4 blocks: more than are free
+    assert "b" not in kv.blocks and kv.num_free_blocks == 3
+    assert kv.allocate(b, 8, keep_free=1) and kv.num_free_blocks == 1
+    assert kv.allocate(a, 5) and kv.block_table(a) == [0, 1, 2]  # asking for fewer shrinks nothing
+    assert kv.blocks_needed(a, 13) == 1 and kv.blocks_for_tokens(13) == 4
+    assert kv.capacity_tokens == 24 and kv.usage() == pytest.approx(5 / 6) and kv.tokens_kept(7) == 7
+    kv.check_integrity()
+    kv.free(a)
+    kv.free(a)  # holds nothing now: a no-op
+    assert kv.num_free_blocks == 4 and kv.num_used_blocks == 2
+    kv.check_integrity()
+
+
+def test_paging_arrays_match_the_naive_slots_and_tables() -> None:
+    kv = PagedKVCacheManager(num_blocks=16, block_size=4)
+    seqs = [make_sequence(name, range(n)) for name, n in (("a", 9), ("b", 3), ("c", 14))]
+    for seq in reversed(seqs):  # interleave allocation so tables are not contiguous runs
+        kv.allocate(seq, 2)
+    for seq in seqs:
+        kv.allocate(seq, seq.num_tokens)
+    starts, ends = np.array([8, 0, 5]), np.array([9, 3, 14])
+    arrays = kv.paging_arrays(seqs, starts, ends, width=6)
+    expected = [
+        slot_of(kv, seq, p)
+        for seq, start, end in zip(seqs, starts, ends, strict=True)
+        for p in range(start, end)
+    ]
+    assert arrays["slot_mapping"].dtype == np.int64 and arrays["slot_mapping"].tolist() == expected
+    tables = [kv.block_table(seq) for seq in seqs]
+    assert arrays["block_tables"].dtype == np.int32
+    assert arrays["block_tables"].tolist() == [table + [0] * (6 - len(table)) for table in tables]
+    assert kv.paging_arrays(seqs, starts, ends)["block_tables"].shape == (3, 4)
+
+
+def test_rollback_returns_the_blocks_past_the_kept_tokens() -> None:
+    kv = PagedKVCacheManager(num_blocks=6, block_size=4)
+    seq, other = make_sequence("s", range(5)), make_sequence("o", range(5))
+    kv.allocate(seq, 13)
+    assert kv.block_table(seq) == [0, 1, 2, 3]
+    kv.rollback(seq, 0)
+    kv.rollback(seq, 1)  # 12 tokens: three full blocks
+    assert kv.block_table(seq) == [0, 1, 2] and kv.num_free_blocks == 3
+    kv.rollback(seq, 3)  # 9 tokens: still three blocks
+    assert kv.block_table(seq) == [0, 1, 2]
+    kv.rollback(seq, 2)  # 7 tokens
+    assert kv.block_table(seq) == [0, 1] and kv.num_free_blocks == 4
+    for too_many in (8, -1):
+        with pytest.raises(ValueError, match="cannot roll back"):
+            kv.rollback(seq, too_many)
+    assert kv.block_table(seq) == [0, 1]
+    assert kv.blocks_needed(seq, 8) == 0 and kv.blocks_needed(seq, 9) == 1
+    assert kv.allocate(other, 4) and kv.block_table(other) == [4]
+    kv.rollback(seq, 7)  # nothing left, but still known
+    assert kv.block_table(seq) == [] and kv.num_free_blocks == 5
+    with pytest.raises(ValueError, match="cannot roll back 1 of the 0 slots"):
+        kv.rollback(seq, 1)
+    assert kv.allocate(seq, 2) and len(kv.block_table(seq)) == 1
+    kv.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_allocate_rollback_free_match_a_token_count_model(seed: int) -> None:
+    """Each sequence holds the leading ceil(tokens / block_size) blocks of its table; a rollback keeps a
+    prefix of the table, an allocation extends it."""
+    rng = random.Random(seed)
+    num_blocks, block_size = 12, 3
+    kv = PagedKVCacheManager(num_blocks, block_size)
+    seqs = [make_sequence(f"s{i}", [1]) for i in range(4)]
+    held: dict[str, int] = {}  # tokens with slots, per sequence holding a table
+    tables: dict[str, list[int]] = {}
+    rollbacks = refusals = 0
+    for _ in range(400):
+        seq = rng.choice(seqs)
+        have = held.get(seq.seq_id, 0)
+        free = num_blocks - sum(len(table) for table in tables.values())
+        roll = rng.random()
+        if roll < 0.45 or seq.seq_id not in held:
+            num_tokens, keep_free = rng.randint(0, 20), rng.randint(0, 2)
+            needed = max(0, -(-num_tokens // block_size) - len(tables.get(seq.seq_id, [])))
+            fits = needed + keep_free <= free
+            assert kv.allocate(seq, num_tokens, keep_free) == fits
+            if fits:
+                table = kv.block_table(seq)
+                assert table[: len(tables.get(seq.seq_id, []))] == tables.get(seq.seq_id, [])
+                held[seq.seq_id], tables[seq.seq_id] = max(have, num_tokens), table
+        elif roll < 0.85:
+            count = rng.randint(0, have + 1)
+            if count > have:
+                with pytest.raises(ValueError):
+                    kv.rollback(seq, count)
+                refusals += 1
+            else:
+                kv.rollback(seq, count)
+                held[seq.seq_id] = have - count
+                tables[seq.seq_id] = tables[seq.seq_id][: -(-(have - count) // block_size)]
+                rollbacks += 1
+        else:
+            kv.free(seq)
+            held.pop(seq.seq_id, None)
+            tables.pop(seq.seq_id, None)
+        kv.check_integrity()
+        for seq_id, table in tables.items():
+            assert kv.blocks.block_table(seq_id) == table
+            assert len(table) == -(-held[seq_id] // block_size)
+        assert kv.num_free_blocks == num_blocks - sum(len(table) for table in tables.values())
+    assert rollbacks > 50 and refusals > 5
+
+
+def test_recompute_manager_admits_everything_and_keeps_nothing() -> None:
+    kv = RecomputeKVCacheManager()
+    seq = make_sequence("a", range(100))
+    assert kv.match(seq) == NO_HIT
+    assert kv.allocate(seq, 10**9, keep_free=10**6)
+    assert kv.blocks_needed(seq, 10**9) == kv.blocks_for_tokens(10**9) == 0
+    assert kv.num_free_blocks == kv.num_used_blocks == 0 and kv.usage() == 0.0
+    assert kv.tokens_kept(1234) == 0  # every step recomputes the sequence from its first token
+    assert kv.capacity_tokens == sys.maxsize
+    assert kv.paging_arrays([seq], np.array([0]), np.array([100])) == {}
+    kv.cache_full_blocks(seq)
+    kv.rollback(seq, 5)
+    kv.free(seq)
+    kv.free(seq)
+    kv.check_integrity()
+
+
+def test_without_a_cache_every_step_recomputes_each_sequence_from_its_first_token() -> None:
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler = Scheduler(config, RecomputeKVCacheManager(), max_model_len=64)
+    seqs = [make_sequence(f"s{i}", range(3 + 5 * i), max_tokens=4) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    for step in range(4):
+        out = scheduler.schedule()
+        assert [(c.seq, c.start, c.end) for c in out.chunks] == [(s, 0, s.num_tokens) for s in seqs], step
+        arrays = build_step_arrays(out.chunks, scheduler.kv)
+        assert "slot_mapping" not in arrays and "block_tables" not in arrays
+        scheduler.update(out, StepResult(sampled=dict.fromkeys(seqs, (7, None))))
+        assert all(seq.num_computed_tokens == 0 for seq in seqs)
+    assert all(seq.is_finished and seq.num_output_tokens == 4 for seq in seqs)
+    assert not scheduler.has_unfinished
 
 
 # --- KV pool -------------------------------------------------------------------------------------------
@@ -524,9 +767,12 @@ def test_slots_and_tables_address_the_pool_the_way_attention_reads_it() -> None:
         manager.allocate(seq, 2)
     for seq, n in lengths.items():
         manager.allocate(seq, n)
-    ranges = [(seq, 0, n) for seq, n in lengths.items()]
+    ranges: list[Range] = [(seq, 0, n) for seq, n in lengths.items()]
     packed = torch.cat([keys[seq] for seq in lengths])
-    write_kv_cache(pool, packed, packed, manager.build_slot_mapping(ranges))
-    gathered = gather_kv_cache(pool.key, manager.build_block_tables(list(lengths)), max(lengths.values()))
+    slots = torch.from_numpy(slots_of(manager, ranges))
+    assert slots.tolist() == naive_slots({s: manager.block_table(s) for s in lengths}, ranges, block_size)
+    write_kv_cache(pool, packed, packed, slots)
+    tables = manager.padded_tables([manager.table_view(seq) for seq in lengths], np.int32)
+    gathered = gather_kv_cache(pool.key, torch.from_numpy(tables), max(lengths.values()))
     for row, (seq, n) in enumerate(lengths.items()):
         torch.testing.assert_close(gathered[row, :n], keys[seq])

@@ -1,10 +1,15 @@
-"""Decode graphs, step inputs and KV sizing, on CPU: everything around the capture itself.
+"""Decode graphs, step inputs, overlap's KV reservation and KV sizing, on CPU: everything around the
+capture itself.
 
-The capture and replay need a GPU (``scripts/gpu_engine_check.py``); here the graph runner runs the
-same computation eagerly over the same static, padded buffers, and the engine's tokens are checked
-against the single-sequence reference loop. KV sizing runs against a fake device-memory reader.
+The capture and replay need a GPU (the tests marked so below); here the graph runner runs the same
+computation eagerly over the same static, padded buffers, and the engine's tokens are checked against the
+single-sequence reference loop. Overlap runs as the engine drives it: the scheduler reserves the next
+step's KV slots (``Scheduler.reserve_next_step``), then the runner starts that step. KV sizing runs
+against fake device-memory counters.
 """
 
+import dataclasses
+import itertools
 import logging
 import os
 import random
@@ -16,32 +21,41 @@ import pytest
 import torch
 
 from engine_helpers import engine_for, run_to_completion
+from kv_helpers import make_sequence, slot_of
 from tokenmill import SamplingParams
+from tokenmill.cache.kv_cache_manager import PagedKVCacheManager
 from tokenmill.cache.kv_pool import (
     DeviceMemory,
     kv_budget_bytes,
     kv_bytes_per_block,
     num_blocks_for_device_memory,
 )
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
+from tokenmill.outputs import RowLogprobs
 from tokenmill.reference import greedy_generate
 from tokenmill.runner import cuda_graphs as cuda_graphs_module
-from tokenmill.runner import kv_cache as kv_cache_module
+from tokenmill.runner import memory_profile
 from tokenmill.runner.cuda_graphs import (
     DecodeGraphRunner,
     DecodeInputs,
-    DecodeRow,
     cuda_graph_batch_sizes,
     cuda_graph_sizes,
     is_decode_step,
     padded_batch_size,
 )
-from tokenmill.runner.step_inputs import PackedLayout, pack_to_device
+from tokenmill.runner.step_inputs import PackedLayout, build_step_arrays, pack_to_device
+from tokenmill.scheduler.output import ScheduledChunk, SchedulerOutput, StepResult
+from tokenmill.scheduler.scheduler import Scheduler
+from tokenmill.sequence import FinishReason, Sequence
 
 GIB = 2**30
 CPU = torch.device("cpu")
+
+
+def config_with(**options: Any) -> EngineConfig:
+    return EngineConfig().with_options(**options)
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +81,19 @@ def test_capture_sizes_and_padding() -> None:
 
 def test_cuda_graph_toggles_are_validated() -> None:
     with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs must be off unless attention_backend"):
-        EngineConfig(cuda_graphs=True)
+        config_with(cuda_graphs=True)
     with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs must be off when kv_cache is 'none'"):
-        EngineConfig(cuda_graphs=True, attention_backend="triton", kv_cache="none")
+        config_with(cuda_graphs=True, attention_backend="triton", kv_cache="none")
     with pytest.raises(ValueError, match=r"EngineConfig.cuda_graph_max_batch_size must be at least 1"):
-        EngineConfig(cuda_graph_max_batch_size=0)
-    config = EngineConfig(cuda_graphs=True, attention_backend="triton", max_num_seqs=20)
+        config_with(cuda_graph_max_batch_size=0)
+    with pytest.raises(ValueError, match=r"EngineConfig.overlap_decode must be off unless cuda_graphs"):
+        config_with(overlap_decode=True)
+    config = config_with(cuda_graphs=True, attention_backend="triton", max_num_seqs=20)
     assert cuda_graph_sizes(config, torch.device("cuda")) == (1, 2, 4, 8, 16, 20)
-    capped = EngineConfig(cuda_graphs=True, attention_backend="triton", cuda_graph_max_batch_size=4)
+    capped = config_with(cuda_graphs=True, attention_backend="triton", cuda_graph_max_batch_size=4)
     assert cuda_graph_sizes(capped, torch.device("cuda")) == (1, 2, 4)
+    sequential = config_with(cuda_graphs=True, attention_backend="triton", batching="sequential")
+    assert cuda_graph_sizes(sequential, torch.device("cuda")) == (1,)
     assert cuda_graph_sizes(EngineConfig(), torch.device("cuda")) == ()
     assert cuda_graph_sizes(config, CPU) == ()  # ignored on CPU
 
@@ -85,7 +103,7 @@ def test_cuda_graph_toggles_are_validated() -> None:
 
 def test_packed_inputs_keep_values_shapes_and_alignment() -> None:
     rng = np.random.default_rng(0)
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         "a": rng.integers(-5, 1 << 40, 7, dtype=np.int64),
         "b": rng.integers(-5, 1000, (3, 5), dtype=np.int32),
         "empty": np.zeros(0, np.int64),
@@ -100,72 +118,105 @@ def test_packed_inputs_keep_values_shapes_and_alignment() -> None:
     assert layout.prefix_bytes("y", 1) == 24
 
 
-def _decode_chunks(engine: LLMEngine, prompts: list[list[int]]) -> list[Any]:
+def _decode_step(engine: LLMEngine, prompts: list[list[int]]) -> SchedulerOutput:
+    """Queue ``prompts``, run their prefills, and schedule the decode step after them (not run)."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt, params)
     engine.step()  # the prefills
-    chunks = engine.scheduler.schedule().chunks
-    assert is_decode_step(chunks)
-    return chunks
+    scheduled = engine.scheduler.schedule()
+    assert is_decode_step(scheduled.chunks)
+    return scheduled
 
 
-def test_static_decode_inputs_equal_the_eager_preparation(tiny) -> None:  # type: ignore[no-untyped-def]
+def test_static_decode_inputs_equal_the_eager_step_arrays(tiny) -> None:  # type: ignore[no-untyped-def]
     engine = engine_for(tiny, block_size=4, num_kv_blocks=64, max_model_len=64)
-    chunks = _decode_chunks(engine, [list(range(10, 12)), list(range(20, 29)), list(range(40, 45))])
-    manager = engine.kv_cache.manager
-    eager = engine.runner.prepare(chunks)
+    scheduled = _decode_step(engine, [list(range(10, 12)), list(range(20, 29)), list(range(40, 45))])
+    chunks = scheduled.chunks
+    kv = engine.kv_cache.manager
+    assert isinstance(kv, PagedKVCacheManager)
+    eager = build_step_arrays(chunks, kv)  # what an eager step copies to the device
     inputs = DecodeInputs(capacity=8, table_width=16, device=CPU)
-    inputs.write([DecodeRow(c.request, c.start) for c in chunks], manager, num_rows=4)
-    count = len(chunks)
-    assert torch.equal(inputs.input_ids[:count], eager.input_ids)
-    assert torch.equal(inputs.positions[:count], eager.positions)
-    assert torch.equal(inputs.slot_mapping[:count], eager.metadata.slot_mapping)
-    assert torch.equal(inputs.seq_lens[:count], eager.metadata.seq_lens)
-    expected_slots = [manager.slot(c.request.request_id, c.start) for c in chunks]  # independent of both
-    assert inputs.slot_mapping[:count].tolist() == expected_slots
-    eager_tables = eager.metadata.block_tables
-    assert torch.equal(inputs.block_tables[:count, : eager_tables.shape[1]], eager_tables)
-    assert not inputs.block_tables[:count, eager_tables.shape[1] :].any()
+    inputs.write(chunks, kv, num_rows=4)
+    views, count = inputs.views, len(chunks)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        assert views[name][:count].tolist() == eager[name].tolist(), name
+    assert views["query_start_loc"][: count + 1].tolist() == eager["query_start_loc"].tolist() == [0, 1, 2, 3]
+    # Independent of both: each row is its sequence's last token, at its position, in its own slot.
+    assert views["input_ids"][:count].tolist() == [c.seq.token_ids[c.start] for c in chunks]
+    assert views["positions"][:count].tolist() == [c.start for c in chunks]
+    assert views["seq_lens"][:count].tolist() == [c.start + 1 for c in chunks]
+    assert views["slot_mapping"][:count].tolist() == [slot_of(kv, c.seq, c.start) for c in chunks]
+    eager_tables = eager["block_tables"]
+    assert views["block_tables"][:count, : eager_tables.shape[1]].tolist() == eager_tables.tolist()
+    assert eager_tables.tolist() == [
+        kv.block_table(c.seq) + [0] * (eager_tables.shape[1] - len(kv.block_table(c.seq))) for c in chunks
+    ]
+    assert not views["block_tables"][:count, eager_tables.shape[1] :].any()
     # Row 3 pads the batch to 4: it writes nowhere and reads one token of block 0.
-    assert inputs.input_ids[3] == 0 and inputs.positions[3] == 0
-    assert inputs.slot_mapping[3:].eq(-1).all() and inputs.seq_lens[3:].eq(1).all()
-    assert not inputs.block_tables[3].any()
-    metadata = inputs.metadata(4, 64)
+    input_ids, positions, metadata = inputs.view(4, 64)
+    assert input_ids[3] == 0 and positions[3] == 0
+    assert metadata.slot_mapping is not None and metadata.block_tables is not None
+    assert metadata.slot_mapping[3:].eq(-1).all() and metadata.seq_lens[3:].eq(1).all()
+    assert not metadata.block_tables[3].any()
     assert metadata.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert metadata.max_query_len == 1 and metadata.max_seq_len == 64 and metadata.num_seqs == 4
-    # A smaller batch afterwards: its padding rows are rewritten, whatever the last step left there.
-    inputs.write([DecodeRow(chunks[0].request, chunks[0].start)], manager, num_rows=2)
-    assert inputs.slot_mapping[1:].eq(-1).all() and inputs.input_ids[1:].eq(0).all()
-    assert inputs.block_tables[1, 0] == 0
-    # Token ids given on the device replace the requests' own (the overlapped next step's inputs).
-    rows = [DecodeRow(c.request, c.start + 1) for c in chunks]
-    inputs.write(rows, manager, num_rows=4, token_ids=torch.tensor([7, 8, 9]))
-    assert inputs.input_ids[:4].tolist() == [7, 8, 9, 0]
-    assert inputs.positions[:3].tolist() == [c.start + 1 for c in chunks]
-    assert inputs.slot_mapping[:3].tolist() == [
-        manager.slot(c.request.request_id, c.start + 1) for c in chunks
-    ]
+    # Token ids given on the device replace the sequences' own (the overlapped next step's inputs), at
+    # slots the scheduler reserved for them.
+    assert engine.scheduler.reserve_next_step(scheduled)
+    following = [ScheduledChunk(c.seq, c.start + 1, c.end + 1) for c in chunks]
+    inputs.write(following, kv, num_rows=4, token_ids=torch.tensor([7, 8, 9]))
+    assert views["input_ids"][:4].tolist() == [7, 8, 9, 0]
+    assert views["positions"][:3].tolist() == [c.start + 1 for c in chunks]
+    assert views["slot_mapping"][:3].tolist() == [slot_of(kv, c.seq, c.start + 1) for c in chunks]
+    # A smaller batch afterwards, from the staging buffer the first write filled: its padding rows are
+    # rewritten, whatever the last steps left there.
+    inputs.write(chunks[:1], kv, num_rows=2)
+    assert views["input_ids"][:2].tolist() == [chunks[0].seq.token_ids[chunks[0].start], 0]
+    assert views["slot_mapping"][1] == -1 and views["positions"][1] == 0 and views["seq_lens"][1] == 1
+    assert views["query_start_loc"][:3].tolist() == [0, 1, 2]
+    assert not views["block_tables"][1].any()
+    with pytest.raises(ValueError, match="do not fit"):
+        inputs.write(chunks, kv, num_rows=2)
+
+
+def _reserve_even_when_sequences_wait(scheduler: Scheduler) -> list[int]:
+    """Make the engine's ``reserve_next_step`` treat the batch as full, so waiting sequences do not stop
+    it: next steps are then started, and dropped, on arrivals too. Every other check of the real method
+    still applies. Returns a list that records the number of waiting sequences at each reservation made."""
+    reserve = scheduler.reserve_next_step
+    reserved_while_waiting: list[int] = []
+
+    def reserve_as_if_full(scheduled: SchedulerOutput) -> bool:
+        config = scheduler.config
+        scheduler.config = dataclasses.replace(config, max_num_seqs=max(1, len(scheduler.running)))
+        try:
+            reserved = reserve(scheduled)
+        finally:
+            scheduler.config = config
+        if reserved:
+            reserved_while_waiting.append(len(scheduler.waiting))
+        return reserved
+
+    scheduler.reserve_next_step = reserve_as_if_full  # type: ignore[method-assign]
+    return reserved_while_waiting
 
 
 def _with_static_decode(
-    engine: LLMEngine,
-    sizes: tuple[int, ...],
-    overlap: bool = False,
-    waiting: bool | None = None,
-    logits_in_graph: bool = False,
+    engine: LLMEngine, sizes: tuple[int, ...], overlap: bool = False, logits_in_graph: bool = False
 ) -> list[int]:
-    """Route the engine's decode steps through a graph runner that runs eagerly (no capture on CPU);
-    returns a list that records the batch size of each step it ran. ``waiting`` overrides the hint
-    that requests wait for admission (False: overlap even when the next step will differ)."""
-    kv = engine.kv_cache
-    hint = (lambda: bool(engine.scheduler.waiting)) if waiting is None else (lambda: waiting)
-    runner = DecodeGraphRunner(
-        engine.runner.model, engine.runner.backend, kv.layers, kv.manager, sizes, engine.max_model_len, CPU,
-        overlap, hint, logits_in_graph, engine.runner.sampler.argmax,
+    """Route the engine's decode steps through a graph runner that runs eagerly (no capture on CPU), with
+    ``overlap`` as ``overlap_decode`` sets it; returns a list that records the batch size of each step it
+    ran."""
+    kv, runner = engine.kv_cache, engine.runner
+    assert kv.layers is not None
+    graphs = DecodeGraphRunner(
+        runner.model, runner.backend, kv.layers, kv.manager, sizes, engine.max_model_len, logits_in_graph,
+        runner.sampler.argmax,
     )  # fmt: skip
-    engine.runner.decode_graphs = runner
-    return _count_runs(runner)
+    runner.decode_graphs = graphs
+    runner.overlap = overlap
+    return _count_runs(graphs)
 
 
 def _count_runs(runner: DecodeGraphRunner) -> list[int]:
@@ -173,12 +224,18 @@ def _count_runs(runner: DecodeGraphRunner) -> list[int]:
     calls: list[int] = []
     run = runner.run
 
-    def counted(chunks: Any) -> torch.Tensor:
+    def counted(chunks: Any) -> Any:
         calls.append(len(chunks))
         return run(chunks)
 
     runner.run = counted  # type: ignore[method-assign]
     return calls
+
+
+def _graphs(engine: LLMEngine) -> DecodeGraphRunner:
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None
+    return graphs
 
 
 def _check_against_reference(tiny, engine: LLMEngine, calls: list[int]) -> None:  # type: ignore[no-untyped-def]
@@ -200,40 +257,48 @@ def _check_against_reference(tiny, engine: LLMEngine, calls: list[int]) -> None:
 
 @pytest.mark.parametrize("logits_in_graph", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_decode_through_static_buffers_matches_the_reference_loop(
+def test_decode_through_static_buffers_matches_the_reference_loop(  # type: ignore[no-untyped-def]
     tiny, overlap: bool, logits_in_graph: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """With ``logits_in_graph``, steps of up to 2 rows compute their logits and argmax in the graph, the
     padded steps of 4 after it."""
     monkeypatch.setattr(cuda_graphs_module, "GRAPH_LOGITS_MAX_ROWS", 2)
     engine = engine_for(tiny, block_size=4, num_kv_blocks=64, max_model_len=64)
     calls = _with_static_decode(engine, (1, 2, 4), overlap, logits_in_graph=logits_in_graph)
-    graphs = engine.runner.decode_graphs
+    graphs = _graphs(engine)
     argmax_rows: list[int] = []
     argmax = graphs.argmax
-    graphs.argmax = lambda logits: argmax_rows.append(len(logits)) or argmax(logits)
+
+    def recording_argmax(logits: torch.Tensor) -> torch.Tensor:
+        argmax_rows.append(len(logits))
+        return argmax(logits)
+
+    graphs.argmax = recording_argmax
     _check_against_reference(tiny, engine, calls)
     assert set(argmax_rows) == ({1, 2} if logits_in_graph else set())
-    if overlap:  # next steps were started and used, but not where a sequence crosses a block or ends
+    if overlap:  # next steps were started and used, but not where a sequence ends
         assert 0 < graphs.num_reused <= graphs.num_started < len(calls)
     else:
         assert graphs.num_started == 0
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-@pytest.mark.parametrize("seed", range(2))
-def test_overlapped_decode_survives_arrivals_aborts_and_preemption(
-    tiny, seed: int, prefix_caching: bool
-) -> None:  # type: ignore[no-untyped-def]
-    """Next steps are started even when requests wait (the hint forced off), so many are dropped: on
-    arrivals, aborts, finishes and preemptions; started steps take blocks ahead of the scheduler. Nothing
-    may change any output, or leave the allocator and prefix tree inconsistent (checked every step)."""
+@pytest.mark.parametrize(("seed", "even_when_waiting"), [(0, True), (2, True), (4, False)])
+def test_overlapped_decode_survives_arrivals_aborts_and_preemption(  # type: ignore[no-untyped-def]
+    tiny, seed: int, even_when_waiting: bool, prefix_caching: bool
+) -> None:
+    """Next steps are reserved and started as the engine does; with ``even_when_waiting`` also while
+    requests wait, so many are dropped: on arrivals, aborts, finishes and preemptions, and reserved
+    blocks are taken ahead of the scheduler. Nothing may change any output, or leave the allocator and
+    prefix tree inconsistent (checked every step). The seeds are ones whose workloads drop started steps
+    under both settings of ``prefix_caching``."""
     rng = random.Random(seed)
     engine = engine_for(
         tiny, block_size=4, num_kv_blocks=16, max_num_seqs=6, max_num_batched_tokens=64, max_model_len=64,
         prefix_caching=prefix_caching, debug_checks=True,
     )  # fmt: skip
-    graphs_calls = _with_static_decode(engine, (1, 2, 4, 6), overlap=True, waiting=False)
+    graphs_calls = _with_static_decode(engine, (1, 2, 4, 6), overlap=True)
+    forced = _reserve_even_when_sequences_wait(engine.scheduler) if even_when_waiting else None
     shared = [rng.randrange(3, 384) for _ in range(9)]  # a prefix some prompts share
     workload = {
         f"r{i}": (
@@ -245,7 +310,10 @@ def test_overlapped_decode_survives_arrivals_aborts_and_preemption(
     arrivals = sorted(workload, key=lambda _: rng.random())
     doomed = set(rng.sample(sorted(workload), 2))  # aborted after a few tokens
     texts: dict[str, list[int]] = {rid: [] for rid in workload}
-    while arrivals or engine.has_unfinished_requests():
+    for steps in itertools.count():  # a few dozen steps; a leak of blocks would stall admission forever
+        assert steps < 1000, "the engine stopped making progress"
+        if not (arrivals or engine.has_unfinished_requests()):
+            break
         for _ in range(rng.randint(0, 2)):
             if arrivals:
                 rid = arrivals.pop()
@@ -258,8 +326,11 @@ def test_overlapped_decode_survives_arrivals_aborts_and_preemption(
         for rid in doomed:
             if len(texts[rid]) >= 2 and rid in engine.requests:
                 engine.abort(rid)
-    graphs = engine.runner.decode_graphs
+    graphs = _graphs(engine)
     assert graphs_calls and graphs.num_started >= graphs.num_reused > 0
+    assert graphs.num_started > graphs.num_reused  # some started steps were dropped
+    if forced is not None:
+        assert any(forced), "no next step was started while requests waited"
     assert engine.scheduler_stats().num_preemptions > 0, "the pool was meant to be small enough to preempt"
     assert engine.kv_cache.manager.num_used_blocks == 0
     for rid, (prompt, max_tokens) in workload.items():
@@ -270,6 +341,94 @@ def test_overlapped_decode_survives_arrivals_aborts_and_preemption(
             assert texts[rid] == expected, rid
 
 
+def test_a_started_step_is_dropped_when_the_batch_changes(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine = engine_for(tiny, block_size=4, num_kv_blocks=64, max_model_len=64)
+    _with_static_decode(engine, (1, 2, 4), overlap=True)
+    graphs = _graphs(engine)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = {"a": [5, 6, 7], "b": list(range(30, 41)), "c": [9, 8, 7, 6]}
+    texts: dict[str, list[int]] = {rid: [] for rid in prompts}
+
+    def step() -> None:
+        for delta in engine.step():
+            texts[delta.request_id] += delta.new_token_ids
+
+    engine.add_request("a", prompts["a"], params)
+    engine.add_request("b", prompts["b"], params)
+    for _ in range(3):
+        step()
+    assert graphs.num_reused == 1 and graphs._started is not None  # a step has been started again
+    engine.abort("b")  # the started step holds b: it is dropped
+    step()
+    assert (graphs.num_started, graphs.num_reused) == (3, 1)
+    step()
+    engine.add_request("c", prompts["c"], params)  # a prefill joins: the started step is dropped
+    for _ in range(30):  # c needs 13 steps
+        step()
+    assert not engine.has_unfinished_requests()
+    assert graphs.num_started - graphs.num_reused == 2
+    for rid in ("a", "c"):
+        assert texts[rid] == greedy_generate(tiny.model, prompts[rid], 12).token_ids, rid
+    assert texts["b"] == greedy_generate(tiny.model, prompts["b"], 12).token_ids[: len(texts["b"])]
+
+
+def test_a_started_step_is_used_by_exactly_its_rows_and_gives_their_logits(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine = engine_for(tiny, block_size=4, num_kv_blocks=64, max_model_len=64)
+    _with_static_decode(engine, (1, 2, 4), overlap=True)
+    graphs, scheduler = _graphs(engine), engine.scheduler
+    scheduled = _decode_step(engine, [[5, 6, 7], list(range(20, 29)), [40, 41]])  # padded to 4 rows
+    first = graphs.run(scheduled.chunks).logits.clone()
+    sampled = first.argmax(dim=-1)
+    assert scheduler.reserve_next_step(scheduled)
+    graphs.start_next_step(scheduled.chunks, sampled)
+    assert torch.equal(graphs.run(scheduled.chunks).logits, first)  # the same step again: computed afresh
+    assert (graphs.num_started, graphs.num_reused) == (1, 0)
+    tokens: dict[Sequence, tuple[int, RowLogprobs | None]] = {
+        c.seq: (token, None) for c, token in zip(scheduled.chunks, sampled.tolist(), strict=True)
+    }
+    scheduler.update(scheduled, StepResult(sampled=tokens))
+    following = scheduler.schedule().chunks
+    graphs.start_next_step(scheduled.chunks, sampled)
+    started = graphs.run(following).logits.clone()
+    assert (graphs.num_started, graphs.num_reused) == (2, 1)
+    fresh = graphs.run(following).logits.clone()  # nothing started now: computed from the sequences
+    assert graphs.num_reused == 1 and torch.equal(started, fresh)
+    graphs.start_next_step(scheduled.chunks, sampled)
+    swapped = graphs.run(following[::-1]).logits  # the same rows in another order are another step
+    assert graphs.num_reused == 1
+    torch.testing.assert_close(swapped, fresh.flip(0))
+
+
+def test_next_steps_start_only_after_decode_graph_steps_read_by_their_tokens(tiny) -> None:  # type: ignore[no-untyped-def]
+    """The runner's half of the engine's overlap condition: overlap on, the step ran through the decode
+    graphs, and reading it needs only its token ids (no logprobs)."""
+    engine = engine_for(tiny, block_size=4, num_kv_blocks=64, max_model_len=64)
+    runner, scheduler = engine.runner, engine.scheduler
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def execute() -> tuple[SchedulerOutput, Any]:
+        scheduled = scheduler.schedule()
+        return scheduled, runner.execute(scheduled.chunks)
+
+    engine.add_request("a", [5, 6, 7], plain)
+    scheduled, prefill = execute()
+    assert not runner.can_start_next_step(prefill)  # no decode graphs
+    _with_static_decode(engine, (1, 2), overlap=False)
+    scheduler.update(scheduled, prefill.result())
+    scheduled, decode = execute()
+    assert is_decode_step(scheduled.chunks) and not runner.can_start_next_step(decode)  # overlap off
+    runner.overlap = True
+    assert runner.can_start_next_step(decode) and not runner.can_start_next_step(prefill)
+    scheduler.update(scheduled, decode.result())
+    engine.add_request("b", [8, 9], dataclasses.replace(plain, logprobs=2))
+    scheduled, mixed = execute()  # a's decode and b's prefill
+    assert not runner.can_start_next_step(mixed)
+    scheduler.update(scheduled, mixed.result())
+    scheduled, decode = execute()
+    assert is_decode_step(scheduled.chunks) and len(scheduled.chunks) == 2
+    assert not runner.can_start_next_step(decode)  # b's logprobs are read too
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="capturing CUDA graphs needs a GPU")
 @pytest.mark.parametrize("overlap", [False, True])
 def test_captured_graphs_match_the_reference_loop(tiny_llama_folder, overlap: bool) -> None:  # type: ignore[no-untyped-def]
@@ -278,8 +437,8 @@ def test_captured_graphs_match_the_reference_loop(tiny_llama_folder, overlap: bo
         loaded, device="cuda", attention_backend="triton", cuda_graphs=True, overlap_decode=overlap,
         cuda_graph_max_batch_size=4, block_size=4, num_kv_blocks=64, max_model_len=64,
     )  # fmt: skip
-    graphs = engine.runner.decode_graphs
-    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4]
+    graphs = _graphs(engine)
+    assert sorted(graphs.graphs) == [1, 2, 4]
     _check_against_reference(loaded, engine, _count_runs(graphs))
     assert (graphs.num_reused > 0) == overlap
 
@@ -301,7 +460,8 @@ def test_programmatic_launch_changes_no_token_or_logprob(tiny_llama_folder) -> N
             cuda_graph_max_batch_size=4, block_size=4, num_kv_blocks=64, max_model_len=64,
             programmatic_launch=pdl,
         )  # fmt: skip
-        assert loaded.model.kernel_options.pdl == pdl and loaded.model.kernel_options.gemv
+        options = engine.runner.model.kernel_options  # bound to the engine's copy of the model
+        assert options.pdl == pdl and options.gemv
         alone = run_to_completion(engine, {"alone": (prompts["a"], params)})
         batched = run_to_completion(engine, {name: (ids, params) for name, ids in prompts.items()})
         results.append(
@@ -329,39 +489,152 @@ def test_triton_decode_with_a_fixed_split_bound_matches_the_reference_loop(tiny,
     _check_against_reference(tiny, engine, _with_static_decode(engine, (1, 2, 4)))
 
 
-def test_a_started_step_is_dropped_when_the_batch_changes(tiny) -> None:  # type: ignore[no-untyped-def]
-    engine = engine_for(tiny, block_size=4, num_kv_blocks=64, max_model_len=64)
-    _with_static_decode(engine, (1, 2, 4), overlap=True, waiting=False)
-    graphs = engine.runner.decode_graphs
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = {"a": [5, 6, 7], "b": list(range(30, 41)), "c": [9, 8, 7, 6]}
-    texts: dict[str, list[int]] = {rid: [] for rid in prompts}
+# -- overlap's KV reservation (the scheduler's half) -------------------------------------------------------
 
-    def step() -> None:
-        for delta in engine.step():
-            texts[delta.request_id] += delta.new_token_ids
 
-    engine.add_request("a", prompts["a"], params)
-    engine.add_request("b", prompts["b"], params)
+def _decoding(
+    prompt_lens: list[int],
+    num_blocks: int,
+    max_tokens: int = 16,
+    max_num_seqs: int = 8,
+    max_model_len: int = 64,
+) -> tuple[Scheduler, PagedKVCacheManager, list[Sequence]]:
+    """A scheduler (blocks of 4 tokens) whose sequences have run their prefills and sampled a token."""
+    kv = PagedKVCacheManager(num_blocks, block_size=4)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256)
+    scheduler = Scheduler(config, kv, max_model_len)
+    seqs = [make_sequence(f"s{i}", range(1, n + 1), max_tokens) for i, n in enumerate(prompt_lens)]
+    for seq in seqs:
+        scheduler.add(seq)
+    _update(scheduler, scheduler.schedule())
+    assert all(seq.num_output_tokens == 1 for seq in seqs)
+    return scheduler, kv, seqs
+
+
+def _update(scheduler: Scheduler, scheduled: SchedulerOutput) -> None:
+    """Take in a step whose every sampled sequence drew token 5."""
+    sampled: dict[Sequence, tuple[int, RowLogprobs | None]] = {
+        c.seq: (5, None) for c in scheduled.chunks if c.samples_next_token
+    }
+    scheduler.update(scheduled, StepResult(sampled=sampled))
+
+
+def _tables(kv: PagedKVCacheManager, seqs: list[Sequence]) -> list[list[int]]:
+    return [kv.block_table(seq) for seq in seqs]
+
+
+def test_reserving_the_next_step_takes_exactly_its_new_blocks() -> None:
+    # 4, 5, 8 and 7 tokens after the prefill: the decode step fills slots 3, 4, 7 and 6, so the next one
+    # needs a new block for the 1st and the 3rd sequence only.
+    scheduler, kv, seqs = _decoding([3, 4, 7, 6], num_blocks=16)
     for _ in range(3):
-        step()
-    assert graphs.num_reused == 1 and graphs._started is not None  # a step has been started again
-    engine.abort("b")  # the started step holds b: it is dropped
-    step()
-    assert (graphs.num_started, graphs.num_reused) == (3, 1)
-    step()
-    engine.add_request("c", prompts["c"], params)  # a prefill joins: the started step is dropped
-    while engine.has_unfinished_requests():
-        step()
-    assert graphs.num_started - graphs.num_reused == 2
-    for rid in ("a", "c"):
-        assert texts[rid] == greedy_generate(tiny.model, prompts[rid], 12).token_ids, rid
-    assert texts["b"] == greedy_generate(tiny.model, prompts["b"], 12).token_ids[: len(texts["b"])]
+        scheduled = scheduler.schedule()
+        assert is_decode_step(scheduled.chunks)
+        before, free = _tables(kv, seqs), kv.num_free_blocks
+        new_blocks = sum(c.start % 4 == 3 for c in scheduled.chunks)
+        assert scheduler.reserve_next_step(scheduled)
+        assert kv.num_free_blocks == free - new_blocks
+        for seq, table, chunk in zip(seqs, before, scheduled.chunks, strict=True):
+            assert kv.block_table(seq)[: len(table)] == table  # grown, never changed
+            assert len(kv.block_table(seq)) == -(-(chunk.start + 2) // 4)
+            slot_of(kv, seq, chunk.start + 1)  # the next step's token has a slot
+        _update(scheduler, scheduled)
+        following = scheduler.schedule()  # exactly the step the runner started, with nothing more taken
+        assert [(c.seq, c.start, c.end) for c in following.chunks] == [
+            (c.seq, c.start + 1, c.end + 1) for c in scheduled.chunks
+        ]
+        assert kv.num_free_blocks == free - new_blocks
+        _update(scheduler, following)
+    kv.check_integrity()
+    table = kv.block_table(seqs[0])
+    scheduler.finish(seqs[0], FinishReason.STOP)  # a sequence that ends frees its reserved block too
+    assert kv.num_free_blocks == free - new_blocks + len(table)
+    kv.check_integrity()
 
 
-def test_profile_forward_runs_the_largest_step(tiny) -> None:  # type: ignore[no-untyped-def]
+def test_reserving_is_refused_while_a_waiting_sequence_could_join() -> None:
+    scheduler, kv, seqs = _decoding([3, 4, 7], num_blocks=16, max_num_seqs=4)
+    scheduled = scheduler.schedule()
+    scheduler.add(make_sequence("late", [1, 2, 3]))
+    tables, free = _tables(kv, seqs), kv.num_free_blocks
+    assert not scheduler.reserve_next_step(scheduled)
+    assert _tables(kv, seqs) == tables and kv.num_free_blocks == free
+    _update(scheduler, scheduled)
+    assert len(scheduler.schedule().chunks) == 4  # it did join
+    # With the batch full, a waiting sequence cannot join: the next step is the same sequences.
+    full, _, _ = _decoding([3, 4, 7], num_blocks=16, max_num_seqs=3)
+    scheduled = full.schedule()
+    full.add(make_sequence("late", [1, 2, 3]))
+    assert full.reserve_next_step(scheduled)
+
+
+@pytest.mark.parametrize(("max_tokens", "reserves"), [(2, False), (3, True)])
+def test_reserving_is_refused_when_a_sequence_ends_by_max_tokens(max_tokens: int, reserves: bool) -> None:
+    """After the prefill each sequence has 1 output token and the decode step samples the 2nd: with
+    ``max_tokens=2`` the step after it never runs."""
+    scheduler, kv, seqs = _decoding([3, 8], num_blocks=16)
+    seqs[1].max_tokens = max_tokens
+    scheduled = scheduler.schedule()
+    tables = _tables(kv, seqs)
+    assert scheduler.reserve_next_step(scheduled) == reserves
+    if not reserves:
+        assert _tables(kv, seqs) == tables
+    _update(scheduler, scheduled)
+    assert seqs[1].is_finished != reserves
+
+
+@pytest.mark.parametrize(("max_model_len", "reserves"), [(10, False), (11, True)])
+def test_reserving_is_refused_when_a_sequence_ends_by_the_context_limit(
+    max_model_len: int, reserves: bool
+) -> None:
+    """The 9-token prompt holds 10 tokens after its decode step: at ``max_model_len=10`` it ends there."""
+    scheduler, kv, seqs = _decoding([3, 8], num_blocks=16, max_model_len=max_model_len)
+    scheduled = scheduler.schedule()
+    assert [c.start for c in scheduled.chunks] == [3, 8]
+    tables = _tables(kv, seqs)
+    assert scheduler.reserve_next_step(scheduled) == reserves
+    if not reserves:
+        assert _tables(kv, seqs) == tables
+    _update(scheduler, scheduled)
+    assert seqs[1].is_finished != reserves
+
+
+@pytest.mark.parametrize(("num_blocks", "reserves"), [(5, False), (6, True)])
+def test_reserving_is_all_or_nothing_when_blocks_are_short(num_blocks: int, reserves: bool) -> None:
+    """Holding 1, 2 and 1 blocks, the 1st and 2nd sequence need one more each for the next step: with
+    one block free neither gets it."""
+    scheduler, kv, seqs = _decoding([3, 7, 1], num_blocks=num_blocks)
+    scheduled = scheduler.schedule()
+    free = kv.num_free_blocks
+    assert free == num_blocks - 4
+    tables = _tables(kv, seqs)
+    assert scheduler.reserve_next_step(scheduled) == reserves
+    if reserves:
+        assert kv.num_free_blocks == free - 2 and [len(t) for t in _tables(kv, seqs)] == [2, 3, 1]
+    else:
+        assert _tables(kv, seqs) == tables and kv.num_free_blocks == free
+    kv.check_integrity()
+
+
+def test_profile_forward_runs_the_largest_step_without_the_kv_cache(tiny) -> None:  # type: ignore[no-untyped-def]
     engine = engine_for(tiny, block_size=4, num_kv_blocks=8, max_model_len=64)
-    engine.runner.profile_forward(num_tokens=150, max_seq_len=64, num_sampled=4)  # 64 + 64 + 22 tokens
+    runner = engine.runner
+    lengths: list[list[int]] = []
+    forward = runner.model.forward
+
+    def recording(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        lengths.append(
+            [int(n) for n in (positions == 0).nonzero().flatten().diff(append=torch.tensor([150]))]
+        )
+        return forward(input_ids, positions)
+
+    runner.model.forward = recording  # type: ignore[method-assign]
+    memory_profile.profile_forward(
+        runner.model, runner.backend, runner.sampler, num_tokens=150, max_seq_len=64, num_sampled=4
+    )
+    assert lengths == [[64, 64, 22]]
+    assert engine.kv_cache.layers is not None
+    assert not any(layer.key.any() or layer.value.any() for layer in engine.kv_cache.layers)
 
 
 # -- KV sizing ---------------------------------------------------------------------------------------------
@@ -423,15 +696,23 @@ def test_gpu_pool_is_sized_after_profiling_the_largest_step(
     mib = 2**20
     fake = FakeGpuMemory(total=80 * GIB, held_by_others=GIB, weights=3 * GIB, bytes_per_token=mib)
     fake.install(monkeypatch)
-    config = EngineConfig(
+    config = config_with(
         attention_backend="triton", cuda_graphs=cuda_graphs, max_num_seqs=64, max_num_batched_tokens=4096,
         cuda_graph_logits=graph_logits,
     )  # fmt: skip
+    cuda = torch.device("cuda")
+    plan = memory_profile.ProfilePlan.for_config(config, 2048, cuda)
+    assert plan == memory_profile.ProfilePlan(
+        step_tokens=4096, step_seq_len=2048, step_sampled=64, graph_batch=64 if cuda_graphs else 0,
+        graph_sampled=16 if cuda_graphs and graph_logits else 0,
+    )  # fmt: skip
+    small = config_with(max_num_seqs=64, max_num_batched_tokens=48, chunked_prefill=True)
+    assert memory_profile.ProfilePlan.for_config(small, 2048, cuda) == memory_profile.ProfilePlan(
+        48, 48, 48, 0, 0
+    )
     shape = (16, 4, 2, 64, torch.bfloat16)
-    with caplog.at_level(logging.INFO, logger="tokenmill.runner.kv_cache"):
-        blocks = kv_cache_module._num_blocks_on_gpu(
-            config, shape, 2048, torch.device("cuda"), fake.profile_forward
-        )
+    with caplog.at_level(logging.INFO, logger="tokenmill.runner.memory_profile"):
+        blocks = memory_profile.num_blocks_on_gpu(config, shape, 2048, cuda, fake.profile_forward)
     step = (4096, 2048, 64)  # two full-length sequences; 64 rows sampled
     graph_step = (64, 1, 16 if graph_logits else 0)  # graphs of up to 16 rows compute logits
     assert fake.profiled == ([graph_step] if cuda_graphs else []) + [step]
@@ -440,3 +721,12 @@ def test_gpu_pool_is_sized_after_profiling_the_largest_step(
     assert blocks == budget // kv_bytes_per_block(*shape)
     assert f"KV budget {budget / GIB:.2f} GiB" in caplog.text
     assert "activations of a 4096-token step" in caplog.text
+
+
+def test_gpu_pool_without_a_profile_counts_only_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeGpuMemory(total=80 * GIB, held_by_others=GIB, weights=3 * GIB, bytes_per_token=2**20)
+    fake.install(monkeypatch)
+    shape = (16, 4, 2, 64, torch.bfloat16)
+    blocks = memory_profile.num_blocks_on_gpu(config_with(), shape, 2048, torch.device("cuda"), None)
+    assert fake.profiled == []
+    assert blocks == (int(0.9 * 80 * GIB) - 3 * GIB) // kv_bytes_per_block(*shape)

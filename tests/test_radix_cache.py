@@ -15,15 +15,18 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kv_helpers import make_sequence, naive_slot
 from tokenmill.cache import BlockAllocator, BlockManager, CacheIntegrityError, NoFreeBlocksError
+from tokenmill.cache.kv_cache_manager import PrefixCachingKVCacheManager
 from tokenmill.cache.radix_cache import PrefixMatch, RadixCache, RadixNode
+from tokenmill.sequence import Sequence
 
 Tokens = tuple[int, ...]
 
 
 def make_cache(num_blocks: int, block_size: int) -> tuple[BlockManager, RadixCache]:
     manager = BlockManager(num_blocks, block_size)
-    return manager, RadixCache.for_manager(manager)
+    return manager, RadixCache(manager.allocator, manager.block_size)
 
 
 def tree_contents(cache: RadixCache) -> dict[Tokens, int]:
@@ -465,7 +468,7 @@ class Driver:
         request = self.running[seq_id]
         if request.computed < len(request.tokens):
             return
-        if not self.manager.can_allocate(len(request.tokens) + 1, seq_id):
+        if self.manager.blocks_needed(seq_id, len(request.tokens) + 1) > self.manager.num_free_blocks:
             return
         request.tokens.append(token)
         for block in self.manager.allocate(seq_id, len(request.tokens)):
@@ -615,7 +618,7 @@ class MiniScheduler:
         if request.generated == request.max_tokens:
             self.release(request)
             return
-        while not self.manager.can_allocate(len(request.tokens), request.seq_id):
+        while self.manager.blocks_needed(request.seq_id, len(request.tokens)) > self.manager.num_free_blocks:
             victim = self.running[-1]
             self.preempt(victim)
             if victim is request:
@@ -624,15 +627,16 @@ class MiniScheduler:
 
     def compute(self, request: Request) -> None:
         for position in range(request.computed):  # what attention would read from the cache
-            assert self.kv[self.manager.slot(request.seq_id, position)] == tuple(
-                request.tokens[: position + 1]
-            )
+            assert self.kv[self.slot(request, position)] == tuple(request.tokens[: position + 1])
         for position in range(request.computed, len(request.tokens)):
-            self.kv[self.manager.slot(request.seq_id, position)] = tuple(request.tokens[: position + 1])
+            self.kv[self.slot(request, position)] = tuple(request.tokens[: position + 1])
         blocks_before = request.computed // self.cache.block_size
         request.computed = len(request.tokens)
         if request.computed // self.cache.block_size > blocks_before:
             self.cache.insert(request.tokens, self.manager.block_table(request.seq_id))
+
+    def slot(self, request: Request, position: int) -> int:
+        return naive_slot(self.manager.block_table(request.seq_id), position, self.cache.block_size)
 
     def preempt(self, request: Request) -> None:
         self.release(request)
@@ -666,3 +670,221 @@ def test_scheduler_simulation_shares_prefixes_and_keeps_kv_consistent() -> None:
     assert scheduler.preemptions > 0 and cache.num_evicted_blocks > 0  # the pool was under pressure
     assert allocator.num_used == 0 and allocator.num_cached == cache.num_cached_blocks > 0
     cache.check_integrity(scheduler.manager)
+
+
+# --- the prefix-caching KV cache manager (what the scheduler calls) ------------------------------------
+
+
+def test_prefix_manager_shares_a_cached_prefix_and_frees_consistently() -> None:
+    kv = PrefixCachingKVCacheManager(num_blocks=5, block_size=2)
+    first = make_sequence("first", [1, 1, 2, 2, 3])
+    miss = kv.match(first)
+    assert (miss.num_tokens, miss.num_query_tokens, miss.match) == (0, 5, None)
+    assert kv.allocate(first, 5, prefix=miss) and len(kv.block_table(first)) == 3
+    first.num_computed_tokens = 5
+    kv.cache_full_blocks(first)
+    prefix = kv.block_table(first)[:2]
+    assert tree_contents(kv.tree) == {(1, 1): prefix[0], (1, 1, 2, 2): prefix[1]}
+    kv.check_integrity()
+    second = make_sequence("second", [1, 1, 2, 2, 3, 4])
+    hit = kv.match(second)
+    assert (hit.num_tokens, hit.num_query_tokens) == (4, 6) and hit.match and list(hit.match.blocks) == prefix
+    assert not kv.allocate(second, 6, keep_free=2, prefix=hit)  # 1 new block would leave 1 of 2 free
+    assert [kv.blocks.allocator.refcount(b) for b in prefix] == [1, 1] and "second" not in kv.blocks
+    assert kv.tree.extra_refs() == {}
+    assert kv.allocate(second, 6, keep_free=1, prefix=hit)
+    assert kv.block_table(second)[:2] == prefix and kv.num_free_blocks == 1
+    assert [kv.blocks.allocator.refcount(b) for b in prefix] == [3, 3]  # two tables and second's lock
+    kv.check_integrity()
+    kv.free(first)
+    kv.free(second)
+    kv.free(second)  # holds nothing now: a no-op
+    assert kv.num_used_blocks == 0 and kv.num_free_blocks == 5
+    assert kv.blocks.allocator.cached_blocks() == prefix[::-1]  # kept, for the next hit
+    kv.check_integrity()
+    third = make_sequence("third", [1, 1, 2, 2, 5, 5, 6])
+    again = kv.match(third)
+    assert again.match and list(again.match.blocks) == prefix
+    # Reviving the two cached blocks leaves 3 free: the 2 new blocks fit only with keep_free <= 1.
+    assert not kv.allocate(third, 7, keep_free=2, prefix=again)
+    assert kv.allocate(third, 7, keep_free=1, prefix=again) and kv.num_free_blocks == 1
+    kv.check_integrity()
+
+
+def test_prefix_manager_refuses_to_roll_back_into_blocks_it_cached() -> None:
+    kv = PrefixCachingKVCacheManager(num_blocks=8, block_size=2)
+    seq = make_sequence("s", [1, 1, 2, 2, 3])
+    assert kv.allocate(seq, 5)
+    seq.num_computed_tokens = 5
+    kv.cache_full_blocks(seq)  # blocks 0 and 1 (tokens 0..3) are in the tree
+    assert kv.allocate(seq, 8)  # slots for three more tokens (say, speculative ones)
+    table = kv.block_table(seq)
+    assert len(table) == 4
+    kv.rollback(seq, 3)  # back to the 5 computed tokens
+    assert kv.block_table(seq) == table[:3]
+    kv.rollback(seq, 1)  # 4 tokens: exactly the cached blocks
+    assert kv.block_table(seq) == table[:2]
+    with pytest.raises(ValueError, match="prefix cache"):
+        kv.rollback(seq, 1)
+    assert kv.block_table(seq) == table[:2] and tree_contents(kv.tree)[(1, 1, 2, 2)] == table[1]
+    kv.check_integrity()
+    kv.free(seq)
+    kv.check_integrity()
+
+
+def test_prefix_manager_refuses_to_roll_back_into_a_shared_prefix() -> None:
+    kv = PrefixCachingKVCacheManager(num_blocks=8, block_size=2)
+    first = make_sequence("first", [1, 1, 2, 2, 3])
+    assert kv.allocate(first, 5)
+    first.num_computed_tokens = 5
+    kv.cache_full_blocks(first)
+    kv.free(first)
+    second = make_sequence("second", [1, 1, 2, 2, 3])
+    hit = kv.match(second)
+    assert hit.num_tokens == 4 and kv.allocate(second, 5, prefix=hit)
+    second.num_computed_tokens = hit.num_tokens  # what admission does; nothing computed yet
+    table = kv.block_table(second)
+    with pytest.raises(ValueError, match="prefix cache"):
+        kv.rollback(second, 3)  # would leave 2 tokens: into the shared (cached) block of tokens 2..3
+    assert kv.block_table(second) == table
+
+
+@dataclass(eq=False)
+class Admitted:
+    seq: Sequence
+    shared: tuple[int, ...]  # the cached blocks its admission locked (none on a miss)
+    table: list[int]
+    inserted: int = 0  # full blocks offered to the tree
+
+
+class ManagerDriver:
+    """Scheduler-like use of ``PrefixCachingKVCacheManager`` through its own calls (match, allocate with
+    keep_free, cache_full_blocks, rollback, free), mirrored step by step in the naive model."""
+
+    def __init__(self, num_blocks: int, block_size: int, vocab: int) -> None:
+        self.kv = PrefixCachingKVCacheManager(num_blocks, block_size)
+        self.model = PrefixModel(num_blocks, block_size)
+        self.block_size = block_size
+        self.prompts = Driver(num_blocks, block_size, vocab)  # its prompt generator
+        self.running: dict[str, Admitted] = {}
+        self.next_id = 0
+        self.refused_rollbacks = 0
+
+    def step(self, rng: random.Random) -> None:
+        roll = rng.random()
+        names = sorted(self.running)
+        if roll < 0.3 or not names:
+            self.admit([*self.prompts.prompt(rng), 0], keep_free=rng.choice([0, 0, 1, 3]))
+        elif roll < 0.5:
+            self.compute(self.running[rng.choice(names)])
+        elif roll < 0.65:
+            self.decode(self.running[rng.choice(names)], rng.randrange(self.prompts.vocab), rng.randint(1, 3))
+        elif roll < 0.78:
+            self.rollback(self.running[rng.choice(names)], rng)
+        elif roll < 0.93:
+            self.free(self.running.pop(rng.choice(names)))
+        else:
+            count = rng.randint(0, 3)
+            assert self.kv.tree.evict(count) == self.model.evict(count)
+
+    def admit(self, tokens: list[int], keep_free: int) -> None:
+        seq = make_sequence(f"s{self.next_id}", tokens)
+        self.next_id += 1
+        hit = self.kv.match(seq)
+        expected = self.model.match(tokens)
+        shared = hit.match.blocks if hit.match is not None else ()
+        assert list(shared) == expected and hit.num_query_tokens == len(tokens)
+        assert hit.num_tokens == len(expected) * self.block_size
+        needed = -(-len(tokens) // self.block_size) - len(expected)
+        fits = needed + keep_free <= self.model.free_after_taking(expected)
+        assert self.kv.allocate(seq, len(tokens), keep_free, hit) == fits
+        if not fits:
+            return  # nothing taken: the model's check says so
+        for block in expected * 2:  # the lock's reference and the table's
+            self.model.take(block)
+        if expected:  # the tree counts locked matches; a miss takes no lock
+            self.model.queries += 1
+            self.model.query_tokens += len(tokens)
+            self.model.hit_tokens += hit.num_tokens
+        table = self.kv.block_table(seq)
+        assert table[: len(expected)] == expected
+        for block in table[len(expected) :]:
+            self.model.allocated(block)
+        seq.num_computed_tokens = hit.num_tokens
+        self.running[seq.seq_id] = Admitted(seq, tuple(expected), table)
+
+    def compute(self, admitted: Admitted) -> None:
+        seq = admitted.seq
+        seq.num_computed_tokens = seq.num_tokens
+        self.kv.cache_full_blocks(seq)
+        full_blocks = seq.num_tokens // self.block_size
+        if full_blocks > admitted.inserted:
+            self.model.insert(seq.token_ids[: full_blocks * self.block_size], admitted.table)
+            admitted.inserted = full_blocks
+
+    def decode(self, admitted: Admitted, token: int, count: int) -> None:
+        """Append ``count`` tokens (a sampled one, or speculative ones) and give them slots."""
+        seq = admitted.seq
+        if seq.num_computed_tokens < seq.num_tokens:
+            return
+        total = seq.num_tokens + count
+        if self.kv.blocks_needed(seq, total) > len(self.model.free) + len(self.model.lru):
+            return
+        seq.token_ids.extend([token] * count)
+        assert self.kv.allocate(seq, total)
+        new_blocks = self.kv.block_table(seq)[len(admitted.table) :]
+        for block in new_blocks:
+            self.model.allocated(block)
+        admitted.table += new_blocks
+
+    def rollback(self, admitted: Admitted, rng: random.Random) -> None:
+        """Give back uncomputed tokens (rejected speculative ones), or try to cut into cached blocks."""
+        seq = admitted.seq
+        cached_tokens = admitted.inserted * self.block_size
+        if rng.random() < 0.7 or cached_tokens == 0:
+            count = rng.randint(0, seq.num_tokens - seq.num_computed_tokens)
+        else:
+            count = rng.randint(seq.num_tokens - cached_tokens + 1, seq.num_tokens)
+        if seq.num_tokens - count < cached_tokens:
+            with pytest.raises(ValueError, match="prefix cache"):
+                self.kv.rollback(seq, count)
+            self.refused_rollbacks += 1
+            return
+        self.kv.rollback(seq, count)
+        kept = -(-(seq.num_tokens - count) // self.block_size)
+        for block in reversed(admitted.table[kept:]):
+            self.model.release(block)
+        del admitted.table[kept:]
+        del seq.token_ids[seq.num_tokens - count :]
+
+    def free(self, admitted: Admitted) -> None:
+        self.kv.free(admitted.seq)
+        for block in reversed(admitted.shared):  # the lock goes first, then the table
+            self.model.release(block)
+        for block in reversed(admitted.table):
+            self.model.release(block)
+
+    def check(self) -> None:
+        self.kv.check_integrity()
+        self.model.check(self.kv.blocks, self.kv.tree)
+        for admitted in self.running.values():
+            assert self.kv.block_table(admitted.seq) == admitted.table
+        assert self.kv.num_free_blocks == len(self.model.free) + len(self.model.lru)
+        assert self.kv.num_used_blocks == len(self.model.holders)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(("num_blocks", "block_size", "vocab"), [(12, 2, 2), (20, 3, 3)])
+def test_prefix_manager_calls_match_the_naive_model(
+    seed: int, num_blocks: int, block_size: int, vocab: int
+) -> None:
+    rng = random.Random(seed)
+    driver = ManagerDriver(num_blocks, block_size, vocab)
+    for _ in range(300):
+        driver.step(rng)
+        driver.check()
+    for name in sorted(driver.running):
+        driver.free(driver.running.pop(name))
+        driver.check()
+    assert driver.kv.num_used_blocks == 0 and driver.kv.num_free_blocks == num_blocks
+    assert driver.kv.tree.hit_tokens > 0 and driver.refused_rollbacks > 0

@@ -197,6 +197,8 @@ class PagedKVCacheManager(KVCacheManager):
             raise ValueError(
                 f"cannot roll back {num_tokens} of the {held} slots sequence {seq.seq_id!r} holds"
             )
+        if num_tokens == 0:
+            return
         self._num_tokens[seq.seq_id] = held - num_tokens
         self.blocks.truncate(seq.seq_id, self.blocks_for_tokens(held - num_tokens))
 
@@ -270,6 +272,7 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
             return False
         self.tree.lock(match)
         self._locked[seq.seq_id] = match.node
+        self._num_cached_blocks[seq.seq_id] = len(match.blocks)  # in the tree already: never rolled back
         self.blocks.share_prefix(seq.seq_id, match.blocks)
         self._grow(seq, num_tokens)
         return True

@@ -7,7 +7,7 @@ strictly worse priority. Either way the last running sequence is the next preemp
 """
 
 import bisect
-from collections import abc, deque
+from collections import deque
 
 from tokenmill.sequence import Sequence
 
@@ -53,8 +53,3 @@ class PrioritySchedulingQueues(SchedulingQueues):
 
 def create_queues(policy: str) -> SchedulingQueues:
     return PrioritySchedulingQueues() if policy == "priority" else SchedulingQueues()
-
-
-def all_sequences(queues: SchedulingQueues) -> abc.Iterator[Sequence]:
-    yield from queues.running
-    yield from queues.waiting

@@ -23,7 +23,7 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.outputs import RowLogprobs
 from tokenmill.scheduler.admission import create_admission_rule
 from tokenmill.scheduler.output import ScheduledChunk, SchedulerOutput, SchedulerStats, StepResult
-from tokenmill.scheduler.queues import all_sequences, create_queues
+from tokenmill.scheduler.queues import create_queues
 from tokenmill.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -50,9 +50,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.queues.add_waiting(seq, preempted=False)
-
-    def sequences(self) -> abc.Iterator[Sequence]:
-        return all_sequences(self.queues)
 
     # -- scheduling -------------------------------------------------------------------------------
 
