@@ -7,6 +7,8 @@ against a value that does not come from it.
 
 from collections.abc import Sequence as SequenceOf
 
+import torch
+
 from tokenmill.cache.kv_cache_manager import PagedKVCacheManager
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sequence import Sequence
@@ -28,3 +30,11 @@ def make_sequence(seq_id: str, token_ids: SequenceOf[int], max_tokens: int = 16)
     """A sequence with ``token_ids`` as its prompt, as the engine would queue it (greedy sampling)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return Sequence(seq_id, list(token_ids), params, max_tokens)
+
+
+def gather_kv_cache(pool: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """``[num_blocks, block_size, H, D]`` pool → ``[B, max_seq_len, H, D]`` per-sequence context."""
+    block_size = pool.shape[1]
+    blocks_needed = -(-max_seq_len // block_size)
+    gathered = pool[block_tables[:, :blocks_needed].long()]  # [B, blocks, block_size, H, D]
+    return gathered.flatten(1, 2)[:, :max_seq_len]

@@ -18,8 +18,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kv_helpers import make_sequence, naive_slot, slot_of
-from tokenmill.attention.torch_backend import gather_kv_cache, write_kv_cache
+from kv_helpers import gather_kv_cache, make_sequence, naive_slot, slot_of
+from tokenmill.attention.torch_backend import write_kv_cache
 from tokenmill.cache import (
     BlockAllocator,
     BlockManager,
@@ -31,7 +31,6 @@ from tokenmill.cache import (
     kv_bytes_per_block,
     kv_bytes_per_token,
     num_blocks_for_budget,
-    num_blocks_from_gpu_memory,
 )
 from tokenmill.cache.kv_cache_manager import (
     NO_HIT,
@@ -40,6 +39,7 @@ from tokenmill.cache.kv_cache_manager import (
     RecomputeKVCacheManager,
     create_kv_cache_manager,
 )
+from tokenmill.cache.kv_pool import num_blocks_for_device_memory, read_device_memory
 from tokenmill.config import SchedulerConfig
 from tokenmill.runner.step_inputs import build_step_arrays
 from tokenmill.scheduler.output import StepResult
@@ -734,6 +734,12 @@ def test_kv_bytes_and_budget() -> None:
     )
     with pytest.raises(ValueError, match=rf"budget of {per_block - 1} bytes .* block of {per_block} bytes"):
         num_blocks_for_budget(per_block - 1, 16, 4, 2, 64, torch.float16)
+
+
+def num_blocks_from_gpu_memory(utilization: float, *shape: Any, reserve_bytes: int = 0) -> int:
+    return num_blocks_for_device_memory(
+        read_device_memory(), utilization, *shape, reserve_bytes=reserve_bytes
+    )
 
 
 def test_num_blocks_from_gpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:

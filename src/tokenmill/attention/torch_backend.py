@@ -233,11 +233,3 @@ def _require(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
 def write_kv_cache(cache: KVCacheLayer, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
     """Store each new token's K/V at its flat slot (block * block_size + offset); slot -1 is skipped."""
     _KVWrite.from_slot_mapping(slots.long()).store(cache, key, value)
-
-
-def gather_kv_cache(pool: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-    """``[num_blocks, block_size, H, D]`` pool → ``[B, max_seq_len, H, D]`` per-sequence context."""
-    block_size = pool.shape[1]
-    blocks_needed = -(-max_seq_len // block_size)
-    gathered = pool[block_tables[:, :blocks_needed].long()]  # [B, blocks, block_size, H, D]
-    return gathered.flatten(1, 2)[:, :max_seq_len]

@@ -17,7 +17,6 @@ from tokenmill.cache.kv_pool import (
     kv_bytes_per_block,
     kv_bytes_per_token,
     num_blocks_for_budget,
-    num_blocks_from_gpu_memory,
 )
 
 __all__ = [
@@ -32,5 +31,4 @@ __all__ = [
     "kv_bytes_per_block",
     "kv_bytes_per_token",
     "num_blocks_for_budget",
-    "num_blocks_from_gpu_memory",
 ]

@@ -83,30 +83,6 @@ def num_blocks_for_device_memory(
         ) from None
 
 
-def num_blocks_from_gpu_memory(
-    gpu_memory_utilization: float,
-    block_size: int,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device | str | int | None = None,
-    reserve_bytes: int = 0,
-) -> int:
-    """Blocks that fit in ``gpu_memory_utilization`` of the GPU, less what this process already uses.
-
-    Call it after the weights are loaded and a forward pass of the largest batch has run: "used" is the
-    PyTorch allocator's peak reservation, so it covers activations too. ``reserve_bytes`` holds back more
-    (memory outside PyTorch's allocator, such as CUDA graphs or NCCL buffers). The budget never exceeds
-    the memory actually free on the device, whoever holds the rest.
-    """
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    memory = read_device_memory(device)
-    shape = (block_size, num_layers, num_kv_heads, head_dim, dtype)
-    return num_blocks_for_device_memory(memory, gpu_memory_utilization, *shape, reserve_bytes=reserve_bytes)
-
-
 def allocate_kv_pool(
     num_layers: int,
     num_blocks: int,

@@ -93,9 +93,6 @@ class RadixCache:
         self.block_size = block_size
         self.root = RadixNode((), [], None)
         self._node_of_block: dict[int, RadixNode] = {}
-        self.queries = 0  # locked matches, i.e. admissions
-        self.query_tokens = 0
-        self.hit_tokens = 0
         self.num_evicted_blocks = 0
         allocator.attach_cache_hook(self)
 
@@ -105,10 +102,6 @@ class RadixCache:
     def num_cached_blocks(self) -> int:
         """Blocks the tree holds, in use by requests or not."""
         return len(self._node_of_block)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     # --- lookup and pinning --------------------------------------------------------------------------
 
@@ -126,7 +119,7 @@ class RadixCache:
         return self.allocator.num_free - reviving
 
     def lock(self, match: PrefixMatch) -> None:
-        """Pin the matched path for a request (one reference per block) and count it as a query."""
+        """Pin the matched path for a request (one reference per block)."""
         if self._path_blocks(match.node) != list(match.blocks):
             raise ValueError("stale prefix match: the tree changed since match_prefix; match again")
         self.root.lock_count += 1
@@ -134,9 +127,6 @@ class RadixCache:
             node.lock_count += 1
             for block_id in node.blocks:
                 self.allocator.incref(block_id)
-        self.queries += 1
-        self.query_tokens += match.num_query_tokens
-        self.hit_tokens += match.num_tokens
 
     def unlock(self, node: RadixNode) -> None:
         """Release a lock taken on ``match.node``, deepest block first."""
