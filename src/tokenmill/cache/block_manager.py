@@ -100,16 +100,25 @@ class BlockManager:
         """``seq_id``'s block table itself, not a copy: read it, never change it."""
         return self._table(seq_id)
 
-    def slots(self, tables: Sequence[list[int]], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    def slots(
+        self,
+        tables: Sequence[list[int]],
+        starts: np.ndarray,
+        ends: np.ndarray,
+        padded: np.ndarray | None = None,
+    ) -> np.ndarray:
         """int64 KV slots of tokens ``starts[i]:ends[i]`` of the sequences with block ``tables``, packed in
-        order: the one place the slot formula is written."""
+        order: the one place the slot formula is written. ``padded``: the tables already padded (by
+        :meth:`padded_tables`), to pad them once per step."""
         capacities = np.fromiter((len(table) for table in tables), np.int64, len(tables)) * self.block_size
         _check_ranges(starts, ends, capacities)
         lengths = ends - starts
         row = np.repeat(np.arange(len(tables)), lengths)
         first_token = np.cumsum(lengths) - lengths
         positions = np.arange(int(lengths.sum()), dtype=np.int64) - first_token[row] + starts[row]
-        blocks = self.padded_tables(tables, np.int64)[row, positions // self.block_size]
+        if padded is None:
+            padded = self.padded_tables(tables, np.int64)
+        blocks = padded[row, positions // self.block_size].astype(np.int64)
         return blocks * self.block_size + positions % self.block_size
 
     def padded_tables(self, tables: Sequence[list[int]], dtype: type, width: int | None = None) -> np.ndarray:

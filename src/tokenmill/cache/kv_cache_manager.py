@@ -236,10 +236,8 @@ class PagedKVCacheManager(KVCacheManager):
         self, seqs: abc.Sequence[Sequence], starts: np.ndarray, ends: np.ndarray, width: int | None = None
     ) -> dict[str, np.ndarray]:
         tables = [self.blocks.table_view(seq.seq_id) for seq in seqs]
-        return {
-            "slot_mapping": self.blocks.slots(tables, starts, ends),
-            "block_tables": self.blocks.padded_tables(tables, np.int32, width),
-        }
+        padded = self.blocks.padded_tables(tables, np.int32, width)
+        return {"slot_mapping": self.blocks.slots(tables, starts, ends, padded), "block_tables": padded}
 
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
