@@ -13,7 +13,7 @@ KVCacheMode = Literal["none", "contiguous", "paged"]
 BatchingMode = Literal["sequential", "static", "continuous"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 AdmissionRule = Literal["fit", "headroom", "lookahead"]
-AttentionBackendName = Literal["torch", "triton"]
+AttentionBackendName = Literal["auto", "torch", "triton"]
 FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_rms_norm",
     "fused_rotary",
@@ -48,7 +48,8 @@ class KVCacheConfig:
     num_blocks: int | None = None  # None: sized from free memory
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 2.0  # KV budget on CPU, where free memory is not a safe guide
-    prefix_caching: bool = False  # reuse the KV blocks of prompt prefixes seen before (radix tree, LRU)
+    # Reuse the KV blocks of prompt prefixes seen before (radix tree, LRU). None (auto): on with paged KV.
+    prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         _require_choice("kv_cache", self.mode, ("none", "contiguous", "paged"))
@@ -83,9 +84,10 @@ class SchedulerConfig:
 
     batching: BatchingMode = "continuous"
     policy: SchedulingPolicy = "fcfs"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
-    chunked_prefill: bool = False  # split long prompts across steps, alongside running decodes
+    max_num_seqs: int | None = None  # None: sized for the device (256 on a CUDA GPU, 64 on CPU)
+    max_num_batched_tokens: int | None = None  # tokens per step; None: sized for the device (see above)
+    # Split long prompts across steps, alongside running decodes. None (auto): on wherever a KV cache is.
+    chunked_prefill: bool | None = None
     prefill_chunk_size: int | None = None  # cap on one request's prompt tokens per step (None: the budget)
     admission: AdmissionRule = "fit"
     admission_headroom: float = 0.0  # with admission="headroom": the share of remaining output kept free
@@ -94,13 +96,8 @@ class SchedulerConfig:
         _require_choice("batching", self.batching, ("sequential", "static", "continuous"))
         _require_choice("scheduling_policy", self.policy, ("fcfs", "priority"))
         _require_choice("admission", self.admission, ("fit", "headroom", "lookahead"))
-        _require(self.max_num_seqs >= 1, "max_num_seqs", "at least 1", self.max_num_seqs)
-        _require(
-            self.max_num_batched_tokens >= 1,
-            "max_num_batched_tokens",
-            "at least 1",
-            self.max_num_batched_tokens,
-        )
+        _require_at_least_one("max_num_seqs", self.max_num_seqs)
+        _require_at_least_one("max_num_batched_tokens", self.max_num_batched_tokens)
         _require_at_least_one("prefill_chunk_size", self.prefill_chunk_size)
         _require(
             0 <= self.admission_headroom <= 1, "admission_headroom", "in [0, 1]", self.admission_headroom
@@ -114,17 +111,26 @@ class SchedulerConfig:
 
     @property
     def max_running(self) -> int:
-        """Sequences in flight at once: one for sequential batching."""
-        return 1 if self.batching == "sequential" else self.max_num_seqs
+        """Sequences in flight at once: one for sequential batching. Read from a resolved config."""
+        if self.batching == "sequential":
+            return 1
+        assert self.max_num_seqs is not None, "max_num_seqs is resolved when the engine starts"
+        return self.max_num_seqs
+
+    @property
+    def token_budget(self) -> int:
+        """``max_num_batched_tokens`` of a resolved config."""
+        assert self.max_num_batched_tokens is not None, "resolved when the engine starts"
+        return self.max_num_batched_tokens
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Which implementation each layer binds. The ``fused_*`` toggles and ``programmatic_launch``: None
-    (auto) = on with CUDA + Triton, off on CPU; False = PyTorch; True = the kernel, refused where it
-    cannot run."""
+    """Which implementation each layer binds. ``attention_backend`` ``auto`` and the ``fused_*`` toggles and
+    ``programmatic_launch`` at None (auto): the Triton kernels with CUDA + Triton, PyTorch on CPU; False /
+    ``torch`` = PyTorch; True / ``triton`` = the kernel, refused where it cannot run."""
 
-    attention_backend: AttentionBackendName = "torch"  # "triton": paged Triton kernels
+    attention_backend: AttentionBackendName = "auto"  # "triton": paged Triton kernels; "torch": reference
     # float32 projections on CPU through oneDNN with each weight reordered once at start (another copy of
     # the weights in memory); other devices and dtypes keep F.linear. See models/layers/cpu_linear.py.
     prepacked_cpu_linear: bool = True
@@ -144,36 +150,38 @@ class KernelConfig:
     programmatic_launch: bool | None = None
 
     def __post_init__(self) -> None:
-        _require_choice("attention_backend", self.attention_backend, ("torch", "triton"))
+        _require_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
         for name in (*FUSED_KERNEL_TOGGLES, "programmatic_launch"):
             value = getattr(self, name)
             _require(value is None or isinstance(value, bool), name, "None (auto), True or False", value)
         _require(
-            not (self.fused_decode_rotary_kv and self.attention_backend != "triton"),
+            not (self.fused_decode_rotary_kv and self.attention_backend == "torch"),
             "fused_decode_rotary_kv",
-            "off unless attention_backend is 'triton' (it is part of the Triton decode kernel)",
+            "off when attention_backend is 'torch' (it is part of the Triton decode kernel)",
             self.fused_decode_rotary_kv,
         )
 
 
 @dataclass(frozen=True)
 class CudaGraphConfig:
-    """Replay pure-decode steps from CUDA graphs (one per padded batch size); CUDA + triton attention only,
-    ignored on CPU. Batches above the largest captured size, and prefill / mixed steps, run eagerly."""
+    """Replay pure-decode steps from CUDA graphs (one per padded batch size); CUDA + triton attention only.
+    None (auto): on where the Triton attention backend runs on a CUDA device; True elsewhere is ignored on
+    CPU. Batches above the largest captured size, and prefill / mixed steps, run eagerly."""
 
-    enabled: bool = False
+    enabled: bool | None = None
     max_batch_size: int = 256  # capture sizes 1, 2, 4, 8, 16, 24, ... up to this (<= max_num_seqs)
     # The decode graphs of up to 16 rows also compute the logits (the LM head) and their argmax, which a
     # batch of greedy rows then takes as its tokens; off (and above 16 rows): they run after the replay.
     logits: bool = True
     # Start each decode step's successor on the GPU (fed the new tokens on the device) before the host
-    # reads and processes them; used when the next step turns out to be exactly that.
-    overlap_decode: bool = False
+    # reads and processes them; used when the next step turns out to be exactly that. None (auto): on
+    # wherever CUDA graphs are.
+    overlap_decode: bool | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_batch_size >= 1, "cuda_graph_max_batch_size", "at least 1", self.max_batch_size)
         _require(
-            not (self.overlap_decode and not self.enabled),
+            not (self.overlap_decode and self.enabled is False),
             "overlap_decode",
             "off unless cuda_graphs is on (it overlaps graph replays)",
             self.overlap_decode,
@@ -191,6 +199,9 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     debug_checks: bool = False  # check allocator + prefix-tree integrity after every step
+    # Before the first request, run synthetic ones through every kernel the engine can hit, so Triton
+    # compiles them at start-up, not inside a request. None (auto): on where Triton kernels compile.
+    warm_start: bool | None = None
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
@@ -205,7 +216,7 @@ class EngineConfig:
             self.scheduler.chunked_prefill,
         )
         _require(
-            not (self.graphs.enabled and self.kernels.attention_backend != "triton"),
+            not (self.graphs.enabled and self.kernels.attention_backend == "torch"),
             "cuda_graphs",
             "off unless attention_backend is 'triton' (the torch backend's KV write reads a mask back to "
             "the host, which a CUDA graph cannot capture)",
@@ -241,6 +252,19 @@ class EngineConfig:
         """Every setting by its flat name: the config as one flat dict (for reports)."""
         return {name: self.option(name) for name in FLAT_OPTIONS}
 
+
+# Every optimization off (PyTorch layers and attention, eager steps, no prompt splitting or prefix reuse):
+# the reference the fast paths are checked against, and the bottom of the optimization ladder.
+PLAIN_PATH: dict[str, Any] = {
+    "attention_backend": "torch",
+    **dict.fromkeys(FUSED_KERNEL_TOGGLES, False),
+    "programmatic_launch": False,
+    "cuda_graphs": False,
+    "cuda_graph_logits": False,
+    "overlap_decode": False,
+    "chunked_prefill": False,
+    "prefix_caching": False,
+}
 
 GROUPS: dict[str, type] = {
     "kv": KVCacheConfig,

@@ -73,15 +73,13 @@ def fit_max_model_len_to(max_total_len: int, loaded: LoadedModel, requested: int
 
 
 def base_engine_config(args: argparse.Namespace, loaded: LoadedModel, max_model_len: int) -> EngineConfig:
-    default = EngineConfig()
-    return default.with_options(
+    return EngineConfig().with_options(
         model=args.model,
         device=str(loaded.device),
         dtype=str(loaded.dtype).removeprefix("torch."),
         load_format=args.load_format,
         seed=args.seed,
         max_model_len=max_model_len,
-        max_num_batched_tokens=max(default.scheduler.max_num_batched_tokens, max_model_len),
     )
 
 

@@ -14,24 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.config import PLAIN_PATH as NO_OPTIMIZATIONS
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.sampling_params import SamplingParams
 
-PLAIN_PATH = {
-    "batching": "sequential",
-    "attention_backend": "torch",
-    "fused_rms_norm": False,
-    "fused_rotary": False,
-    "fused_activation": False,
-    "fused_gemv": False,
-    "fused_decode_rotary_kv": False,
-    "fused_sampling": False,
-    "programmatic_launch": False,
-    "cuda_graphs": False,
-    "overlap_decode": False,
-}
+PLAIN_PATH = {"batching": "sequential", **NO_OPTIMIZATIONS}  # one request at a time
 LOGPROB_TOLERANCE = 1e-3  # float32; observed differences are around 1e-5
 
 
@@ -70,11 +59,13 @@ def check_fast_path(
 ) -> FastPathCheck:
     """Serve ``prompts`` greedily with ``config`` (all at once) and on the plain path (one at a time), in
     float32, and compare."""
-    check = FastPathCheck(fast_path_toggles(config))
     reference = _float32_copy(config, loaded)
     blocks = sum(-(-(len(prompt) + max_tokens) // config.kv.block_size) for prompt in prompts)
-    config = config.with_options(dtype="float32", num_kv_blocks=blocks + len(prompts))
-    fast = _greedy(LLMEngine(config, loaded=reference), prompts, max_tokens)
+    config = config.with_options(dtype="float32", num_kv_blocks=blocks + len(prompts), warm_start=False)
+    fast_engine = LLMEngine(config, loaded=reference)
+    check = FastPathCheck(fast_path_toggles(fast_engine.config))  # as resolved for this hardware
+    fast = _greedy(fast_engine, prompts, max_tokens)
+    del fast_engine
     plain = _greedy(LLMEngine(config.with_options(**PLAIN_PATH), loaded=reference), prompts, max_tokens)
     for index, ((fast_ids, fast_lps), (plain_ids, plain_lps)) in enumerate(zip(fast, plain, strict=True)):
         check.num_prompts += 1

@@ -133,6 +133,42 @@ def bandwidth_share(bytes_per_token: int, seconds_per_token: float, bandwidth_by
     return bytes_per_token / seconds_per_token / bandwidth_bytes_per_s
 
 
+# -- compute -------------------------------------------------------------------------------------------
+
+
+def measure_matmul_flops(
+    device: torch.device, dtype: torch.dtype, size: int = 8192, repeats: int = 5
+) -> float:
+    """FLOP/s of the fastest of ``repeats`` square ``size`` GEMMs in ``dtype``: the matmul limit a long
+    prefill approaches (its projections are GEMMs of this kind)."""
+    size = size if device.type == "cuda" else 1024
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call picks the algorithm
+        synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def prefill_flops(loaded: LoadedModel, num_tokens: int) -> float:
+    """Matmul FLOPs of prefilling ``num_tokens``: every projection but the embedding lookup for each
+    token, the LM head for the last one, and causal attention (QK and PV over half the square)."""
+    model, config = loaded.model, loaded.config
+    lm_head = getattr(model, "lm_head", None)
+    projections = 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding | VocabParallelEmbedding) or module is lm_head:
+            continue
+        projections += sum(p.numel() for p in module.parameters(recurse=False) if p.dim() == 2)
+    head = config.vocab_size * config.hidden_size
+    attention = 2 * config.num_layers * config.num_heads * config.head_dim * num_tokens**2
+    return 2.0 * projections * num_tokens + 2.0 * head + attention
+
+
 # -- the command ------------------------------------------------------------------------------------------
 
 
@@ -174,15 +210,16 @@ def run(args: argparse.Namespace) -> int:
     if peer is not None:
         theirs = median_latency(lambda: hf_once(peer, prompt, args.output_len), args.iters)
     bandwidth = measure_copy_bandwidth(loaded.device)
+    matmul = measure_matmul_flops(loaded.device, loaded.dtype)
     peer_text = "none (--skip-hf)" if peer is None else f"{peer.describe()}, batch 1"
     config_text = f"kv_cache={config.kv.mode}, batching={config.scheduler.batching}"
     workload_text = f"batch 1, {workload.describe()}, median of {args.iters} runs; tokenmill {config_text}"
     hardware = detect_hardware(loaded.device)
     header = header_lines("tokenmill latency", workload_text, describe_model(loaded), peer_text)
     _warn_if_different(ours, theirs)
-    results = result_lines(
-        ours, theirs, loaded, args.input_len + args.output_len // 2, bandwidth, args.input_len
-    )
+    context = args.input_len + args.output_len // 2
+    results = result_lines(ours, theirs, loaded, context, bandwidth, args.input_len)
+    results.append(prefill_compute_line(ours, loaded, args.input_len, matmul))
     text = provenance_header(hardware) + "\n".join([*header, check.describe(), "", "```", *results, "```"])
     print(text)
     if args.report_dir is not None:
@@ -237,6 +274,15 @@ def result_lines(
         ratios = f"prefill {prefill_ratio:.2f}x, decode {decode_ratio:.2f}x"
         lines.append(f"speed ratio tokenmill / HF (above 1: tokenmill faster): {ratios}")
     return lines
+
+
+def prefill_compute_line(ours: Latency, loaded: LoadedModel, input_len: int, matmul_flops: float) -> str:
+    achieved = prefill_flops(loaded, input_len) / ours.prefill_s
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    return (
+        f"tokenmill prefill compute: {achieved / 1e12:.1f} TFLOP/s, {achieved / matmul_flops:.1%} of the "
+        f"{dtype} matmul limit ({matmul_flops / 1e12:.1f} TFLOP/s, best square GEMM measured in this run)"
+    )
 
 
 def _warn_if_different(ours: Latency, theirs: Latency | None) -> None:

@@ -107,6 +107,10 @@ class KVCacheManager(ABC):
     def check_integrity(self) -> None:
         """Raise if the bookkeeping disagrees with itself (``debug_checks``)."""
 
+    @abstractmethod
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix no sequence holds (where prefixes are cached)."""
+
 
 class RecomputeKVCacheManager(KVCacheManager):
     """``kv_cache="none"``: no pool, so nothing to allocate and every token is recomputed each step."""
@@ -131,6 +135,9 @@ class RecomputeKVCacheManager(KVCacheManager):
         pass
 
     def check_integrity(self) -> None:
+        pass
+
+    def reset_prefix_cache(self) -> None:
         pass
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -242,6 +249,9 @@ class PagedKVCacheManager(KVCacheManager):
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
 
+    def reset_prefix_cache(self) -> None:
+        pass  # no prefixes cached
+
 
 class PrefixCachingKVCacheManager(PagedKVCacheManager):
     """Paged blocks plus a radix tree of full blocks: a sequence whose prompt starts like an earlier one
@@ -301,6 +311,9 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
 
     def check_integrity(self) -> None:
         self.tree.check_integrity(self.blocks)
+
+    def reset_prefix_cache(self) -> None:
+        self.tree.evict(self.blocks.num_blocks)
 
 
 def create_kv_cache_manager(

@@ -10,12 +10,14 @@ scheduler what to run, has the runner execute it, and hands the result back to t
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Sequence as SequenceOf
 
 import torch
 
 from tokenmill.attention.selector import create_attention_backend
 from tokenmill.config import EngineConfig
+from tokenmill.engine.hardware_defaults import Hardware, resolve_config
 from tokenmill.engine.input_checks import (
     InvalidRequestError,
     check_priority,
@@ -23,7 +25,9 @@ from tokenmill.engine.input_checks import (
     prompt_token_ids,
     resolve_max_tokens,
 )
+from tokenmill.engine.startup_report import StartupTimes, describe_startup
 from tokenmill.engine.stop_strings import StopStringDetokenizer
+from tokenmill.engine.warm_start import WarmStartReport, warm_up_requests
 from tokenmill.kernels.options import KernelOptions, resolve_kernel_toggle
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.models import CausalLM
@@ -64,7 +68,7 @@ class KVCacheMemory:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        self.config = config
+        started = time.perf_counter()
         self.device = resolve_device(config.device)
         self.loaded = loaded or load_model(
             config.model,
@@ -74,17 +78,24 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             seed=config.seed,
         )
+        self.load_seconds = time.perf_counter() - started
         self.model_config = self.loaded.config
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = self._max_model_len(config)
+        # Every auto setting decided for this hardware: what the rest of the engine reads.
+        self.config = resolve_config(config, Hardware.detect(self.device), self.max_model_len)
+        self._check_token_budget()
         self.eos_token_ids = self._eos_token_ids()
         self.runner = self._build_runner()
         self.kv_cache: KVCache = self.runner.kv
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache.manager, self.max_model_len)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache.manager, self.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self.texts: dict[Sequence, StopStringDetokenizer] = {}
         self._pending: list[RequestDelta] = []
+        self.warm_start = self.warm_up() if self.config.warm_start else None
         torch.manual_seed(config.seed)
+        self.startup_seconds = time.perf_counter() - started
+        logger.info(self.describe_startup())
 
     def _build_runner(self) -> ModelRunner:
         """Model (a copy of the loaded one with its kernels bound), attention backend and sampler, then
@@ -99,6 +110,7 @@ class LLMEngine:
             kernels.programmatic_launch,
             prepacked_cpu_linear=kernels.prepacked_cpu_linear,
         )
+        self.kernel_options = options
         model: CausalLM = self.loaded.model.with_kernels(options)
         backend = create_attention_backend(kernels, device, options.pdl)
         sampler = Sampler(fused=resolve_kernel_toggle("sampling", kernels.fused_sampling, device))
@@ -114,22 +126,52 @@ class LLMEngine:
             self.max_model_len,
             graph_sizes=cuda_graph_sizes(self.config, device),
             logits_in_graph=graphs.logits,
-            overlap=graphs.overlap_decode,
+            overlap=bool(graphs.overlap_decode),
         )
 
-    def _max_model_len(self) -> int:
+    def warm_up(self) -> WarmStartReport:
+        """Run synthetic requests through every kernel the engine can hit (see :mod:`.warm_start`), then
+        forget them: the prefix cache is emptied and the scheduler's counters start again."""
+        started = time.perf_counter()
+        requests = warm_up_requests(
+            self.max_model_len, self.config.scheduler.token_budget, self.model_config.vocab_size
+        )
+        for request_id, prompt, params in requests:
+            self.add_request(request_id, prompt, params)
+        num_steps = 0
+        while self.has_unfinished_requests():
+            self.step()
+            num_steps += 1
+        self.kv_cache.manager.reset_prefix_cache()
+        self.scheduler.stats = SchedulerStats()
+        return WarmStartReport(len(requests), num_steps, time.perf_counter() - started)
+
+    def describe_startup(self) -> str:
+        """One line: the path resolved for this hardware, the KV pool, graphs, and start-up time."""
+        return describe_startup(
+            self.config,
+            self.device,
+            self.kernel_options,
+            self.runner.graph_capture,
+            self.kv_cache,
+            StartupTimes(self.startup_seconds, self.load_seconds, self.warm_start),
+        )
+
+    def _max_model_len(self, config: EngineConfig) -> int:
         model_limit = self.model_config.max_position_embeddings
-        wanted = self.config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
+        wanted = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
         if wanted > model_limit:
             raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {model_limit} positions")
+        return wanted
+
+    def _check_token_budget(self) -> None:
         scheduler = self.config.scheduler
-        if scheduler.max_num_batched_tokens < wanted and not scheduler.chunked_prefill:
+        if scheduler.token_budget < self.max_model_len and not scheduler.chunked_prefill:
             raise ValueError(
-                f"max_num_batched_tokens ({scheduler.max_num_batched_tokens}) is smaller than "
-                f"max_model_len ({wanted}): a full-length prompt could never be scheduled "
+                f"max_num_batched_tokens ({scheduler.token_budget}) is smaller than "
+                f"max_model_len ({self.max_model_len}): a full-length prompt could never be scheduled "
                 "(turn on chunked_prefill to split prompts across steps)"
             )
-        return wanted
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.loaded.eos_token_ids)

@@ -69,5 +69,5 @@ def create_kv_cache(
     layers = allocate_kv_pool(
         model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim, dtype, device
     )
-    manager = create_kv_cache_manager(kv.mode, num_blocks, block_size, kv.prefix_caching)
+    manager = create_kv_cache_manager(kv.mode, num_blocks, block_size, bool(kv.prefix_caching))
     return KVCache(manager, layers, per_token, tokens)

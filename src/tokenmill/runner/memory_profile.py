@@ -63,7 +63,7 @@ class ProfilePlan:
     @classmethod
     def for_config(cls, config: EngineConfig, max_model_len: int, device: torch.device) -> "ProfilePlan":
         scheduler = config.scheduler
-        step_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_running * max_model_len)
+        step_tokens = min(scheduler.token_budget, scheduler.max_running * max_model_len)
         sizes = cuda_graph_sizes(config, device)
         return cls(
             step_tokens=step_tokens,

@@ -16,7 +16,7 @@ import torch
 from tokenmill.attention import AttentionBackend, ForwardContext, forward_context
 from tokenmill.models import CausalLM
 from tokenmill.outputs import RowLogprobs
-from tokenmill.runner.cuda_graphs import DecodeGraphRunner
+from tokenmill.runner.cuda_graphs import CaptureReport, DecodeGraphRunner
 from tokenmill.runner.kv_cache import KVCache
 from tokenmill.runner.sampler import (
     Sampler,
@@ -86,6 +86,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.overlap = overlap
         self.decode_graphs: DecodeGraphRunner | None = None
+        self.graph_capture: CaptureReport | None = None
         if graph_sizes:
             if kv.layers is None:
                 raise ValueError("decode graphs need a KV cache")
@@ -99,7 +100,8 @@ class ModelRunner:
                 logits_in_graph,
                 sampler.argmax,
             )
-            logger.info(self.decode_graphs.capture().describe())
+            self.graph_capture = self.decode_graphs.capture()
+            logger.info(self.graph_capture.describe())
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> PendingStep:

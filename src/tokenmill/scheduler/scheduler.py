@@ -55,7 +55,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.token_budget
         # In serving order; victims of preemption are taken from the end, so never one scheduled already.
         for seq in list(self.queues.running):
             if seq.status is SequenceStatus.RUNNING:  # not preempted earlier in this loop
@@ -94,7 +94,7 @@ class Scheduler:
             seq = self.queues.waiting[0]
             hit = self.kv.match(seq) if _reads_prefix_cache(seq) else NO_HIT
             start = seq.num_computed_tokens + hit.num_tokens
-            budget = self.config.max_num_batched_tokens - out.num_tokens
+            budget = self.config.token_budget - out.num_tokens
             num_tokens = self._chunk_size(seq.num_tokens - start, budget)
             if num_tokens == 0:
                 return

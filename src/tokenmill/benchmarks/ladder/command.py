@@ -45,7 +45,7 @@ from tokenmill.benchmarks.report import (
     report_dir,
 )
 from tokenmill.benchmarks.workload import Workload, WorkloadSpec, parse_length_range
-from tokenmill.config import FUSED_KERNEL_TOGGLES, EngineConfig
+from tokenmill.config import PLAIN_PATH, EngineConfig
 from tokenmill.loading import LoadedModel
 
 
@@ -126,16 +126,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+LADDER_TOKEN_BUDGET = 8192  # tokens per step on every rung (whole prompts: chunked prefill is not a rung)
+
+
 def ladder_configs(
     args: argparse.Namespace, loaded: LoadedModel, workload: Workload, max_model_len: int
 ) -> list[tuple[Rung, EngineConfig]]:
     setup = LadderSetup(args.batch_size, workload.num_requests, max_model_len, args.block_size)
-    # Every fused kernel off at the start (their default is on with CUDA), so the GPU rungs add them.
+    # Every optimization off at the start (the defaults turn them on for the hardware): the rungs add them.
     base = common.base_engine_config(args, loaded, max_model_len).with_options(
         block_size=args.block_size,
-        programmatic_launch=False,
-        cuda_graph_logits=False,
-        **dict.fromkeys(FUSED_KERNEL_TOGGLES, False),
+        max_num_batched_tokens=max(LADDER_TOKEN_BUDGET, max_model_len),
+        **PLAIN_PATH,
     )
     wanted = {rung.name for rung in selected_rungs(args.rungs)}
     if loaded.device.type != "cuda":

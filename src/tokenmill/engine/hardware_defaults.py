@@ -1,0 +1,116 @@
+"""The fast path for the hardware: every ``auto`` setting of an ``EngineConfig`` replaced by its value here.
+
+A user who passes no flags gets, on a CUDA GPU with Triton, the Triton attention backend, the fused
+kernels, CUDA graphs with overlapped decode, and a batch sized for the GPU; on a CPU, the PyTorch
+reference path. Chunked prefill and prefix caching are on wherever they apply. A setting given
+explicitly is kept as given (and refused later where it cannot run).
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from tokenmill.config import (
+    FUSED_KERNEL_TOGGLES,
+    CudaGraphConfig,
+    EngineConfig,
+    KernelConfig,
+    KVCacheConfig,
+    SchedulerConfig,
+)
+from tokenmill.kernels.options import kernels_auto_on, pdl_supported
+
+GPU_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_SEQS = 64
+GPU_TOKEN_BUDGET = 8192
+# A 2-core CPU prefills ~2k tokens of a 135M model per second: a smaller step keeps decodes flowing
+# beside a long prompt (chunked prefill) at no cost in throughput, the step being compute-bound already.
+CPU_TOKEN_BUDGET = 2048
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the defaults depend on: the device, and whether compiled Triton kernels run on it."""
+
+    device: torch.device
+    triton_kernels: bool  # compiled Triton on a CUDA device (the interpreter does not count: too slow)
+    programmatic_launch: bool  # Hopper or later
+
+    @classmethod
+    def detect(cls, device: torch.device) -> "Hardware":
+        return cls(device, kernels_auto_on(device), pdl_supported(device))
+
+
+def resolve_config(config: EngineConfig, hardware: Hardware, max_model_len: int) -> EngineConfig:
+    """``config`` with no ``auto`` / None setting left that the hardware decides."""
+    kernels = _resolve_kernels(config, hardware)
+    config = replace(config, kernels=kernels)
+    warm_start = config.warm_start
+    if warm_start is None:
+        warm_start = hardware.triton_kernels
+    return replace(
+        config,
+        warm_start=warm_start,
+        kv=_resolve_kv(config),
+        scheduler=_resolve_scheduler(config, hardware, max_model_len),
+        graphs=_resolve_graphs(config, hardware),
+    )
+
+
+def _resolve_kernels(config: EngineConfig, hardware: Hardware) -> KernelConfig:
+    kernels = config.kernels
+    fast = hardware.triton_kernels
+    backend = kernels.attention_backend
+    if backend == "auto":
+        backend = "triton" if fast else "torch"
+    toggles = {name: fast for name in FUSED_KERNEL_TOGGLES if getattr(kernels, name) is None}
+    if backend == "torch":
+        toggles["fused_decode_rotary_kv"] = bool(kernels.fused_decode_rotary_kv)
+    pdl = kernels.programmatic_launch
+    return replace(
+        kernels,
+        attention_backend=backend,
+        programmatic_launch=hardware.programmatic_launch if pdl is None else pdl,
+        **toggles,
+    )
+
+
+def _resolve_kv(config: EngineConfig) -> KVCacheConfig:
+    kv = config.kv
+    if kv.prefix_caching is not None:
+        return kv
+    return replace(kv, prefix_caching=kv.mode == "paged")
+
+
+def _resolve_scheduler(config: EngineConfig, hardware: Hardware, max_model_len: int) -> SchedulerConfig:
+    scheduler = config.scheduler
+    on_gpu = hardware.device.type == "cuda"
+    chunked = scheduler.chunked_prefill
+    if chunked is None:
+        chunked = config.kv.mode != "none"
+    budget = scheduler.max_num_batched_tokens
+    if budget is None:
+        budget = GPU_TOKEN_BUDGET if on_gpu else CPU_TOKEN_BUDGET
+        if not chunked:  # a whole prompt must fit in one step
+            budget = max(budget, max_model_len)
+    max_num_seqs = scheduler.max_num_seqs
+    if max_num_seqs is None:
+        max_num_seqs = GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS
+    return replace(
+        scheduler, chunked_prefill=chunked, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs
+    )
+
+
+def _resolve_graphs(config: EngineConfig, hardware: Hardware) -> CudaGraphConfig:
+    graphs = config.graphs
+    enabled = graphs.enabled
+    if enabled is None:
+        enabled = (
+            hardware.device.type == "cuda"
+            and config.kernels.attention_backend == "triton"
+            and config.kv.mode != "none"
+        )
+    overlap = graphs.overlap_decode
+    if overlap is None:
+        overlap = enabled and hardware.device.type == "cuda"
+    return replace(graphs, enabled=enabled, overlap_decode=overlap)

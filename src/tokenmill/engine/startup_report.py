@@ -1,0 +1,67 @@
+"""The one line an engine logs when it is ready: what was resolved for this hardware, and how long it took."""
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.warm_start import WarmStartReport
+from tokenmill.kernels.options import KernelOptions
+from tokenmill.runner.cuda_graphs import CaptureReport
+from tokenmill.runner.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class StartupTimes:
+    total: float  # the engine's constructor, end to end
+    load: float  # reading (or initializing) the weights; 0 when the engine was handed a loaded model
+    warm_start: WarmStartReport | None
+
+
+def describe_startup(
+    config: EngineConfig,
+    device: torch.device,
+    kernels: KernelOptions,
+    graphs: CaptureReport | None,
+    kv: KVCache,
+    times: StartupTimes,
+) -> str:
+    scheduler = config.scheduler
+    parts = [
+        f"tokenmill ready on {_device_name(device)}",
+        f"attention {config.kernels.attention_backend}",
+        "fused kernels "
+        + ("+".join(kernels.enabled) if kernels.enabled else "none")
+        + (" (programmatic launch)" if kernels.pdl else ""),
+        _graphs(graphs, config.graphs.overlap_decode),
+        f"KV {config.kv.mode}: {kv.pool_tokens} tokens ({kv.pool_bytes() / 2**30:.2f} GiB)"
+        + (", prefix caching" if config.kv.prefix_caching else ""),
+        f"max_num_seqs {scheduler.max_running}, {scheduler.token_budget} tokens per step"
+        + (", chunked prefill" if scheduler.chunked_prefill else ""),
+        _times(times, graphs),
+    ]
+    return "; ".join(parts)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def _graphs(graphs: CaptureReport | None, overlap: bool | None) -> str:
+    if graphs is None:
+        return "eager decode"
+    sizes = graphs.sizes
+    return f"CUDA graphs for {len(sizes)} decode sizes {sizes[0]}..{sizes[-1]}" + (
+        " with overlapped decode" if overlap else ""
+    )
+
+
+def _times(times: StartupTimes, graphs: CaptureReport | None) -> str:
+    detail = [f"load {times.load:.1f} s"]
+    if graphs is not None:
+        detail.append(f"graphs {graphs.seconds:.1f} s")
+    if times.warm_start is not None:
+        detail.append(times.warm_start.describe())
+    return f"started in {times.total:.1f} s ({', '.join(detail)})"
