@@ -121,6 +121,7 @@ def warm_up_engine(engine: LLMEngine, workload: Workload, num_tokens: int = 4) -
     engine.add_request("warmup", prompt, _params(workload, first, num_tokens))
     while engine.has_unfinished_requests():
         engine.step()
+    engine.reset_prefix_cache()  # the measured requests find nothing of the warm-up cached
 
 
 def _params(workload: Workload, request: BenchRequest, max_tokens: int | None = None) -> SamplingParams:

@@ -34,6 +34,7 @@ from tokenmill.benchmarks.report import (
 )
 from tokenmill.benchmarks.workload import PromptSource, Workload, WorkloadSpec
 from tokenmill.config import EngineConfig
+from tokenmill.engine.hardware_defaults import Platform, resolve_config
 from tokenmill.loading import LoadedModel
 
 
@@ -151,8 +152,8 @@ def run(args: argparse.Namespace) -> int:
         **common.engine_options(args)
     )
     show = not args.no_progress
-    scheduler = config.scheduler
-    label = f"tokenmill ({config.kv.mode} KV, {scheduler.batching}, max_num_seqs {scheduler.max_num_seqs})"
+    scheduler = resolve_config(config, Platform.detect(loaded.device), max_model_len).scheduler
+    label = f"tokenmill ({config.kv.mode} KV, {scheduler.batching}, max_num_seqs {scheduler.max_running})"
     hardware = detect_hardware(loaded.device)
     print(f"workload: {workload.describe()}\nhardware: {hardware.describe()}", flush=True)
     check = check_fast_path(config, loaded, workload.prompts()[:4])

@@ -29,7 +29,7 @@ CPU_TOKEN_BUDGET = 2048
 
 
 @dataclass(frozen=True)
-class Hardware:
+class Platform:
     """What the defaults depend on: the device, and whether compiled Triton kernels run on it."""
 
     device: torch.device
@@ -37,29 +37,29 @@ class Hardware:
     programmatic_launch: bool  # Hopper or later
 
     @classmethod
-    def detect(cls, device: torch.device) -> "Hardware":
+    def detect(cls, device: torch.device) -> "Platform":
         return cls(device, kernels_auto_on(device), pdl_supported(device))
 
 
-def resolve_config(config: EngineConfig, hardware: Hardware, max_model_len: int) -> EngineConfig:
+def resolve_config(config: EngineConfig, platform: Platform, max_model_len: int) -> EngineConfig:
     """``config`` with no ``auto`` / None setting left that the hardware decides."""
-    kernels = _resolve_kernels(config, hardware)
+    kernels = _resolve_kernels(config, platform)
     config = replace(config, kernels=kernels)
     warm_start = config.warm_start
     if warm_start is None:
-        warm_start = hardware.triton_kernels
+        warm_start = platform.triton_kernels
     return replace(
         config,
         warm_start=warm_start,
         kv=_resolve_kv(config),
-        scheduler=_resolve_scheduler(config, hardware, max_model_len),
-        graphs=_resolve_graphs(config, hardware),
+        scheduler=_resolve_scheduler(config, platform, max_model_len),
+        graphs=_resolve_graphs(config, platform),
     )
 
 
-def _resolve_kernels(config: EngineConfig, hardware: Hardware) -> KernelConfig:
+def _resolve_kernels(config: EngineConfig, platform: Platform) -> KernelConfig:
     kernels = config.kernels
-    fast = hardware.triton_kernels
+    fast = platform.triton_kernels
     backend = kernels.attention_backend
     if backend == "auto":
         backend = "triton" if fast else "torch"
@@ -70,7 +70,7 @@ def _resolve_kernels(config: EngineConfig, hardware: Hardware) -> KernelConfig:
     return replace(
         kernels,
         attention_backend=backend,
-        programmatic_launch=hardware.programmatic_launch if pdl is None else pdl,
+        programmatic_launch=platform.programmatic_launch if pdl is None else pdl,
         **toggles,
     )
 
@@ -82,9 +82,9 @@ def _resolve_kv(config: EngineConfig) -> KVCacheConfig:
     return replace(kv, prefix_caching=kv.mode == "paged")
 
 
-def _resolve_scheduler(config: EngineConfig, hardware: Hardware, max_model_len: int) -> SchedulerConfig:
+def _resolve_scheduler(config: EngineConfig, platform: Platform, max_model_len: int) -> SchedulerConfig:
     scheduler = config.scheduler
-    on_gpu = hardware.device.type == "cuda"
+    on_gpu = platform.device.type == "cuda"
     chunked = scheduler.chunked_prefill
     if chunked is None:
         chunked = config.kv.mode != "none"
@@ -101,16 +101,16 @@ def _resolve_scheduler(config: EngineConfig, hardware: Hardware, max_model_len: 
     )
 
 
-def _resolve_graphs(config: EngineConfig, hardware: Hardware) -> CudaGraphConfig:
+def _resolve_graphs(config: EngineConfig, platform: Platform) -> CudaGraphConfig:
     graphs = config.graphs
     enabled = graphs.enabled
     if enabled is None:
         enabled = (
-            hardware.device.type == "cuda"
+            platform.device.type == "cuda"
             and config.kernels.attention_backend == "triton"
             and config.kv.mode != "none"
         )
     overlap = graphs.overlap_decode
     if overlap is None:
-        overlap = enabled and hardware.device.type == "cuda"
+        overlap = enabled and platform.device.type == "cuda"
     return replace(graphs, enabled=enabled, overlap_decode=overlap)

@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.attention.selector import create_attention_backend
 from tokenmill.config import EngineConfig
-from tokenmill.engine.hardware_defaults import Hardware, resolve_config
+from tokenmill.engine.hardware_defaults import Platform, resolve_config
 from tokenmill.engine.input_checks import (
     InvalidRequestError,
     check_priority,
@@ -27,7 +27,7 @@ from tokenmill.engine.input_checks import (
 )
 from tokenmill.engine.startup_report import StartupTimes, describe_startup
 from tokenmill.engine.stop_strings import StopStringDetokenizer
-from tokenmill.engine.warm_start import WarmStartReport, warm_up_requests
+from tokenmill.engine.warm_start import WarmStartReport, warm_up_waves
 from tokenmill.kernels.options import KernelOptions, resolve_kernel_toggle
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.models import CausalLM
@@ -83,7 +83,7 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.max_model_len = self._max_model_len(config)
         # Every auto setting decided for this hardware: what the rest of the engine reads.
-        self.config = resolve_config(config, Hardware.detect(self.device), self.max_model_len)
+        self.config = resolve_config(config, Platform.detect(self.device), self.max_model_len)
         self._check_token_budget()
         self.eos_token_ids = self._eos_token_ids()
         self.runner = self._build_runner()
@@ -133,18 +133,31 @@ class LLMEngine:
         """Run synthetic requests through every kernel the engine can hit (see :mod:`.warm_start`), then
         forget them: the prefix cache is emptied and the scheduler's counters start again."""
         started = time.perf_counter()
-        requests = warm_up_requests(
-            self.max_model_len, self.config.scheduler.token_budget, self.model_config.vocab_size
+        scheduler = self.config.scheduler
+        vocab = self.model_config.vocab_size
+        self.runner.sampler.compile_kernels(vocab, scheduler.max_running, self.device)
+        waves = warm_up_waves(
+            min(self.max_model_len, self.kv_cache.manager.capacity_tokens),
+            scheduler.token_budget,
+            scheduler.max_running,
+            vocab,
         )
-        for request_id, prompt, params in requests:
-            self.add_request(request_id, prompt, params)
         num_steps = 0
+        for wave in waves:
+            for request_id, prompt, params in wave:
+                self.add_request(request_id, prompt, params)
+            self.step()
+            num_steps += 1
         while self.has_unfinished_requests():
             self.step()
             num_steps += 1
-        self.kv_cache.manager.reset_prefix_cache()
+        self.reset_prefix_cache()
         self.scheduler.stats = SchedulerStats()
-        return WarmStartReport(len(requests), num_steps, time.perf_counter() - started)
+        return WarmStartReport(sum(map(len, waves)), num_steps, time.perf_counter() - started)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix that no running request holds."""
+        self.kv_cache.manager.reset_prefix_cache()
 
     def describe_startup(self) -> str:
         """One line: the path resolved for this hardware, the KV pool, graphs, and start-up time."""

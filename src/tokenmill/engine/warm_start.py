@@ -3,21 +3,22 @@
 Triton compiles a kernel the first time it launches with a new specialization (its constexprs, and
 whether each integer argument is 1 or a multiple of 16), and cuBLAS picks its algorithms on first use
 of a shape. So before serving, the engine runs a few synthetic requests through its own path: prompts
-of bucketed lengths (short, block-aligned, unaligned, one longer than a step's token budget, so that
-chunked prefill continues from cached context, and one repeating another for a prefix-cache hit), decode
-steps at growing batch sizes, and each sampling path (greedy, sampled with top-k / top-p, logprobs,
-penalties). The decode batch sizes themselves were compiled when the CUDA graphs were captured.
+of bucketed lengths (one token, block-aligned, unaligned), prompts that overflow a step's token budget
+(so chunked prefill continues from cached context) and a repeat for a prefix-cache hit, prefills
+beside running decodes, decode batches wider than the graphs that compute logits, and each sampling
+path (greedy, top-k / top-p, min-p, logprobs, penalties). The decode graphs themselves were compiled
+when they were captured.
 
 Compiled kernels land in Triton's on-disk cache (``~/.triton/cache``, or ``TRITON_CACHE_DIR``), so a
 later start only loads them. Afterwards the engine forgets the synthetic prompts: the prefix cache is
 emptied and the scheduler's counters reset.
 """
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from tokenmill.runner.cuda_graphs import GRAPH_LOGITS_MAX_ROWS
 from tokenmill.sampling_params import SamplingParams
 
 # Prompt lengths (tokens) that reach the prefill kernels' specializations: one token, unaligned, aligned.
@@ -44,34 +45,32 @@ class WarmStartReport:
         return f"warm-up {self.seconds:.1f} s ({self.num_requests} requests, {self.num_steps} steps)"
 
 
-def warm_up_requests(
-    max_model_len: int, token_budget: int, vocab_size: int
-) -> list[tuple[str, list[int], SamplingParams]]:
-    """The synthetic requests (id, prompt token ids, sampling), all admitted at once."""
+def warm_up_waves(
+    max_tokens_per_seq: int, token_budget: int, max_running: int, vocab_size: int
+) -> list[list[tuple[str, list[int], SamplingParams]]]:
+    """The synthetic requests (id, prompt token ids, sampling) in waves: each wave is admitted one step
+    after the one before, so its prefill runs beside their decodes (mixed steps). ``max_tokens_per_seq``:
+    the most tokens one sequence may hold (the model length, or the KV pool if smaller)."""
     generator = torch.Generator().manual_seed(0)
-    requests = []
-    for wave, prompts in enumerate(_waves(max_model_len, token_budget, vocab_size, generator)):
-        for index, prompt in enumerate(prompts):
-            params = _SAMPLING[(wave + index) % len(_SAMPLING)]
-            requests.append((f"warm-up-{wave}-{index}", prompt, params))
-    return requests
-
-
-def _waves(
-    max_model_len: int, token_budget: int, vocab_size: int, generator: torch.Generator
-) -> Iterator[list[list[int]]]:
-    """Groups of synthetic prompts, all admitted at once: every bucketed length, each sampling path, and
-    (where it fits) a prompt over the step budget and a repeat of one prompt for a prefix hit."""
-    longest = max_model_len - WARM_TOKENS
+    longest = max_tokens_per_seq - WARM_TOKENS
     if longest < 1:
-        return
-    lengths = sorted({min(length, longest) for length in PROMPT_LENGTHS})
+        return []
 
     def prompt(length: int) -> list[int]:
-        return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+        return torch.randint(0, vocab_size, (min(length, longest),), generator=generator).tolist()
 
-    yield [prompt(length) for length in lengths]
-    yield [prompt(lengths[-1]) for _ in _SAMPLING]
-    if token_budget < longest:
-        over_budget = prompt(min(longest, token_budget + 17))
-        yield [over_budget, list(over_budget)]
+    lengths = sorted({min(length, longest) for length in PROMPT_LENGTHS})
+    # Prompts that together overflow one step's budget, so the last is split and continues from its KV.
+    overflow = [prompt(longest) for _ in range(min(max_running, token_budget // longest + 2))]
+    waves = [
+        [prompt(length) for length in lengths],
+        [prompt(lengths[-1]) for _ in _SAMPLING],
+        overflow,
+        [list(overflow[0])],  # a prefix-cache hit: its blocks are cached by now
+        # More rows than the decode graphs take logits for (they then run after the replay).
+        [prompt(3) for _ in range(min(max_running, 2 * GRAPH_LOGITS_MAX_ROWS + 1))],
+    ]
+    return [
+        [(f"warm-up-{w}-{i}", ids, _SAMPLING[(w + i) % len(_SAMPLING)]) for i, ids in enumerate(wave)]
+        for w, wave in enumerate(waves)
+    ]

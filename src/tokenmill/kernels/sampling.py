@@ -154,6 +154,20 @@ def sampling_grid(num_rows: int, vocab: int, device: torch.device) -> SamplingGr
     return SamplingGrid(rows_per_program, block, tiles_per_program, cdiv(num_tiles, tiles_per_program))
 
 
+def compile_variants(vocab: int, max_rows: int, device: torch.device) -> None:
+    """Launch every variant a batch of up to ``max_rows`` rows can reach (single- and multi-pass grids,
+    greedy-only or sampled, with or without temperature and floor), so none compiles mid-request."""
+    for rows in sorted({1, max_rows}):
+        logits = torch.randn(rows, vocab, device=device)
+        greedy = torch.zeros(rows, dtype=torch.bool, device=device)
+        seeds = torch.zeros(rows, dtype=torch.int64, device=device)
+        temperature = torch.ones(rows, device=device)
+        argmax(logits)
+        gumbel_max_sample(logits, greedy, seeds)
+        gumbel_max_sample(logits, greedy, seeds, temperature)
+        gumbel_max_sample(logits, greedy, seeds, temperature, logits.max(dim=-1).values - 1.0)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` for ``[B, V]`` float logits (ties to the lowest id), spread over the GPU:
     torch's arg-reductions give each row one thread block, so a long row alone takes one SM."""
@@ -210,7 +224,8 @@ def gumbel_max_sample(
         num_warps=4,
     )
     if not grid.single_pass:
-        parts_block = next_power_of_2(grid.num_parts)
+        # Sized for the most parts any batch can have, not this one's: one compiled variant for every B.
+        parts_block = next_power_of_2(cdiv(vocab, grid.block))
         rows_per_program = max(1, min(MAX_ROWS_PER_PROGRAM, ELEMENTS_PER_TILE // parts_block))
         _pick_best_part_kernel[(cdiv(num_rows, rows_per_program),)](
             part_value,

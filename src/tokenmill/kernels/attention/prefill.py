@@ -14,7 +14,8 @@ from tokenmill.kernels.attention.plan import MIN_DOT_ROWS, PrefillConfig, defaul
 from tokenmill.kernels.attention.tiles import LOG2E, attend_range, dot_precision
 
 
-@triton.jit(do_not_specialize=["window", "num_seqs"])
+# Per-step values are not specialized on (Triton would compile a variant for 1 / multiples of 16 of each).
+@triton.jit(do_not_specialize=["window", "num_seqs", "block_table_stride"])
 def _prefill_kernel(
     query_ptr: tl.tensor,
     key_ptr: tl.tensor,

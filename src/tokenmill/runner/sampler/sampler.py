@@ -1,5 +1,6 @@
 """``Sampler``: a step's ``[B, V]`` logits to token ids (and logprobs), its draw bound at construction."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,11 @@ class Sampler:
         self._fused = fused
         self._draw: DrawFn
         self._argmax: ArgmaxFn
+        self._compile: Callable[[int, int, torch.device], None] | None = None
         if fused:
-            from tokenmill.runner.sampler.fused import argmax, fused_draw  # imports triton
+            from tokenmill.runner.sampler.fused import argmax, compile_variants, fused_draw  # imports triton
 
-            self._draw, self._argmax = fused_draw, argmax
+            self._draw, self._argmax, self._compile = fused_draw, argmax, compile_variants
         else:
             self._draw, self._argmax = torch_draw, torch_argmax
 
@@ -75,6 +77,11 @@ class Sampler:
         return SamplerOutput(
             token_ids, gather_logprobs(torch.log_softmax(logits, dim=-1), token_ids, num_top)
         )
+
+    def compile_kernels(self, vocab: int, max_rows: int, device: torch.device) -> None:
+        """Compile the fused draw for every batch of up to ``max_rows`` rows now (nothing to do unfused)."""
+        if self._compile is not None:
+            self._compile(vocab, max_rows, device)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits.argmax(dim=-1)`` of float32 ``[B, V]`` logits (ties to the lowest id)."""
