@@ -17,7 +17,7 @@ from tokenmill.benchmarks import hf_peer, ladder, latency, report, throughput
 from tokenmill.benchmarks.correctness import LOGPROB_TOLERANCE, check_fast_path
 from tokenmill.benchmarks.measure import RunResult, compare_outputs, percentile, run_engine
 from tokenmill.benchmarks.workload import WorkloadSpec, build_workload, corpus_slice, parse_length_range
-from tokenmill.config import FUSED_KERNEL_TOGGLES, EngineConfig
+from tokenmill.config import FUSED_KERNEL_TOGGLES, PLAIN_PATH, EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
 
@@ -142,7 +142,7 @@ def test_ladder_reports_every_rung(
 
 def test_gpu_rungs_each_add_one_fast_path_toggle_to_the_paged_rung() -> None:
     setup = ladder.LadderSetup(batch_size=8, num_requests=32, max_model_len=192, block_size=16)
-    base = EngineConfig().with_options(cuda_graph_logits=False, **dict.fromkeys(FUSED_KERNEL_TOGGLES, False))
+    base = EngineConfig().with_options(**PLAIN_PATH)  # as the ladder command starts
     configs = {rung.name: config for rung, config in ladder.rung_configs(base, setup, ladder.RUNGS)}
     paged, triton = configs["paged KV"], configs["Triton attention"]
     assert (paged.kernels.attention_backend, triton.kernels.attention_backend) == ("torch", "triton")

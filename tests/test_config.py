@@ -39,7 +39,7 @@ def test_unknown_and_invalid_options_are_named() -> None:
     with pytest.raises(ValueError, match=r"EngineConfig.admission_headroom must be 0 unless admission"):
         EngineConfig().with_options(admission_headroom=0.5)
     with pytest.raises(ValueError, match=r"EngineConfig.overlap_decode must be off unless cuda_graphs"):
-        EngineConfig().with_options(overlap_decode=True)
+        EngineConfig().with_options(cuda_graphs=False, overlap_decode=True)
 
 
 def test_groups_are_frozen() -> None:

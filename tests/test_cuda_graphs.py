@@ -31,6 +31,7 @@ from tokenmill.cache.kv_pool import (
     num_blocks_for_device_memory,
 )
 from tokenmill.config import EngineConfig, SchedulerConfig
+from tokenmill.engine.hardware_defaults import Platform, resolve_config
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
 from tokenmill.outputs import RowLogprobs
@@ -55,7 +56,9 @@ CPU = torch.device("cpu")
 
 
 def config_with(**options: Any) -> EngineConfig:
-    return EngineConfig().with_options(**options)
+    """The config as an engine on a Hopper GPU with Triton resolves it."""
+    config = EngineConfig().with_options(**options)
+    return resolve_config(config, Platform(torch.device("cuda"), True, True), max_model_len=2048)
 
 
 @pytest.fixture(scope="module")
@@ -80,21 +83,24 @@ def test_capture_sizes_and_padding() -> None:
 
 
 def test_cuda_graph_toggles_are_validated() -> None:
-    with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs must be off unless attention_backend"):
-        config_with(cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs must be off when attention_backend"):
+        config_with(cuda_graphs=True, attention_backend="torch")
     with pytest.raises(ValueError, match=r"EngineConfig.cuda_graphs must be off when kv_cache is 'none'"):
         config_with(cuda_graphs=True, attention_backend="triton", kv_cache="none")
     with pytest.raises(ValueError, match=r"EngineConfig.cuda_graph_max_batch_size must be at least 1"):
         config_with(cuda_graph_max_batch_size=0)
     with pytest.raises(ValueError, match=r"EngineConfig.overlap_decode must be off unless cuda_graphs"):
-        config_with(overlap_decode=True)
+        config_with(cuda_graphs=False, overlap_decode=True)
     config = config_with(cuda_graphs=True, attention_backend="triton", max_num_seqs=20)
     assert cuda_graph_sizes(config, torch.device("cuda")) == (1, 2, 4, 8, 16, 20)
     capped = config_with(cuda_graphs=True, attention_backend="triton", cuda_graph_max_batch_size=4)
     assert cuda_graph_sizes(capped, torch.device("cuda")) == (1, 2, 4)
     sequential = config_with(cuda_graphs=True, attention_backend="triton", batching="sequential")
     assert cuda_graph_sizes(sequential, torch.device("cuda")) == (1,)
-    assert cuda_graph_sizes(EngineConfig(), torch.device("cuda")) == ()
+    default = config_with()  # on a GPU the defaults capture every decode size up to max_num_seqs
+    assert default.graphs.enabled and default.graphs.overlap_decode
+    assert cuda_graph_sizes(default, torch.device("cuda"))[-1] == default.scheduler.max_num_seqs == 256
+    assert cuda_graph_sizes(config_with(cuda_graphs=False), torch.device("cuda")) == ()
     assert cuda_graph_sizes(config, CPU) == ()  # ignored on CPU
 
 
@@ -706,7 +712,7 @@ def test_gpu_pool_is_sized_after_profiling_the_largest_step(
         step_tokens=4096, step_seq_len=2048, step_sampled=64, graph_batch=64 if cuda_graphs else 0,
         graph_sampled=16 if cuda_graphs and graph_logits else 0,
     )  # fmt: skip
-    small = config_with(max_num_seqs=64, max_num_batched_tokens=48, chunked_prefill=True)
+    small = config_with(max_num_seqs=64, max_num_batched_tokens=48, chunked_prefill=True, cuda_graphs=False)
     assert memory_profile.ProfilePlan.for_config(small, 2048, cuda) == memory_profile.ProfilePlan(
         48, 48, 48, 0, 0
     )

@@ -188,7 +188,7 @@ def test_engine_option_errors_name_the_option(tiny) -> None:  # type: ignore[no-
     with pytest.raises(ValueError, match="kv_cache"):
         engine_for(tiny, kv_cache="fancy")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        engine_for(tiny, max_model_len=128, max_num_batched_tokens=64)
+        engine_for(tiny, max_model_len=128, max_num_batched_tokens=64, chunked_prefill=False)
     with pytest.raises(ValueError, match="admission_headroom"):
         engine_for(tiny, admission="lookahead", admission_headroom=0.5)
 

@@ -218,8 +218,8 @@ class EngineConfig:
         _require(
             not (self.graphs.enabled and self.kernels.attention_backend == "torch"),
             "cuda_graphs",
-            "off unless attention_backend is 'triton' (the torch backend's KV write reads a mask back to "
-            "the host, which a CUDA graph cannot capture)",
+            "off when attention_backend is 'torch' (its KV write reads a mask back to the host, which a "
+            "CUDA graph cannot capture)",
             self.graphs.enabled,
         )
         _require(
