@@ -185,6 +185,7 @@ class EngineConfig:
     """How the engine loads the model and serves requests; one frozen group per part of the engine."""
 
     model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
+    tokenizer: str | None = None  # None: the model's own; else another model's (e.g. for dummy weights)
     device: str = "auto"  # "auto": cuda when available, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
     load_format: str = "auto"  # "dummy": random weights of the named preset / config

@@ -73,6 +73,7 @@ class LLMEngine:
             load_format=config.load_format,
             max_model_len=config.max_model_len,
             seed=config.seed,
+            tokenizer=config.tokenizer,
         )
         self.model_config = self.loaded.config
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
