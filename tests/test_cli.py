@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from engine_helpers import llm_for
 from test_tokenizer import build_llama_style_hf_tokenizer
 from tokenmill import LLM
 from tokenmill.cli import BENCHMARKS, CLI_TEMPERATURE, EXIT_BAD_INPUT, main
@@ -233,3 +234,34 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tiny_llama_folder: Pa
     assert code == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "49152 tokens" in err and "vocabulary of 384" in err
+
+
+# -- chat with piped input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_chat_with_piped_input_prints_the_replies_alone(smollm2: Any) -> None:
+    """No ``you>`` / ``assistant>`` prompts and no banner when stdin is not a terminal: stdout is exactly
+    the two greedy replies, each as the offline API gives it for the conversation so far."""
+    questions = ["What is the capital of France?", "And of Italy?"]
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "chat", "--temperature", "0", "--max-tokens", "24"],
+        input="\n".join(questions) + "\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "tokenmill chat:" not in result.stderr
+    llm = llm_for(smollm2, max_num_seqs=1)
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    history: list[dict[str, str]] = []
+    expected = ""
+    for question in questions:
+        history.append({"role": "user", "content": question})
+        reply = llm.chat(history, greedy)[0].outputs[0].text
+        history.append({"role": "assistant", "content": reply})
+        expected += reply + "\n"
+    assert result.stdout == expected
