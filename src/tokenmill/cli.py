@@ -46,8 +46,13 @@ class _Parser(argparse.ArgumentParser):
 _NOT_ENGINE_FLAGS = frozenset({"seed"})
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser, one_sequence: bool = False) -> None:
+    """EngineConfig's flags; ``one_sequence``: the command runs one sequence at a time (generate, chat),
+    so ``--max-num-seqs`` defaults to 1 there, which also sizes the CPU KV pool for one."""
     add_engine_config_arguments(parser.add_argument_group("model and engine"), exclude=_NOT_ENGINE_FLAGS)
+    if one_sequence:
+        action = next(action for action in parser._actions if action.dest == "max_num_seqs")
+        action.help = "sequences running at once (default: 1 for this command, which runs one at a time)"
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -179,11 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the prompt as token ids instead of text, e.g. 1,2,3 (for a model without a tokenizer; "
         "the output is then token ids too)",
     )
-    add_engine_arguments(generate)
+    add_engine_arguments(generate, one_sequence=True)
     add_sampling_arguments(generate)
     chat = commands.add_parser("chat", help="chat with the model's chat template (reads lines from stdin)")
     chat.add_argument("--system", default=None, help="system message (default: none)")
-    add_engine_arguments(chat)
+    add_engine_arguments(chat, one_sequence=True)
     add_sampling_arguments(chat)
     server = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, ...)")
     add_server_arguments(server)
