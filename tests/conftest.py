@@ -11,6 +11,37 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The quick subset is ``pytest -m "not slow"``. Marked slow: every test that loads a real pretrained model
+# (through the fixtures below), and these, each of which took more than 2 s on 2 cores (--durations).
+REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_gguf_path", "gemma3_gguf_path"})
+SLOW_TESTS = frozenset(
+    {
+        "test_cli.py::test_a_tokenizer_larger_than_the_vocabulary_is_refused",
+        "test_cpu_linear.py::test_prepacked_model_matches_transformers",
+        "test_cuda_graphs.py::test_decode_through_static_buffers_matches_the_reference_loop",
+        "test_cuda_graphs.py::test_overlapped_decode_survives_arrivals_aborts_and_preemption",
+        "test_cuda_graphs.py::test_triton_decode_with_a_fixed_split_bound_matches_the_reference_loop",
+        "test_engine.py::test_every_ladder_config_matches_the_reference_greedy_loop",
+        "test_kernels.py::test_engine_with_every_fused_toggle_matches_the_reference_loop",
+        "test_kernels.py::test_fused_model_matches_pytorch_and_toggles_are_independent",
+        "test_loading.py::test_dummy_weights_run_and_are_seeded",
+        "test_loading.py::test_loading_peak_memory_stays_near_parameter_size",
+        "test_models_tiny.py::test_logits_and_greedy_tokens_match_transformers",
+        "test_models_with_kernels.py::test_configured_copies_coexist_and_share_the_weights",
+        "test_priority.py::test_outputs_under_priority_scheduling_equal_each_request_alone",
+        "test_scenarios.py::test_a_tiny_run_reports_every_workload_off_and_on",
+        "test_scheduling_features.py::test_greedy_outputs_do_not_depend_on_scheduling_features",
+        "test_server_load.py::test_concurrent_streams_with_disconnects",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        function = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+        if function in SLOW_TESTS or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def gemma3_gguf_path() -> Path:

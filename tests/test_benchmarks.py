@@ -17,12 +17,13 @@ from tokenmill.benchmarks import hf_peer, ladder, latency, report, throughput
 from tokenmill.benchmarks.correctness import LOGPROB_TOLERANCE, check_fast_path
 from tokenmill.benchmarks.measure import RunResult, compare_outputs, percentile, run_engine
 from tokenmill.benchmarks.workload import WorkloadSpec, build_workload, corpus_slice, parse_length_range
+from tokenmill.cli import main as cli_main
 from tokenmill.config import FUSED_KERNEL_TOGGLES, PLAIN_PATH, EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
 
 TINY_WORKLOAD = ["--num-requests", "4", "--no-progress"]
-SMALL_KV = ["--cpu-kv-cache-gib", "0.01"]  # not the 2 GiB default
+SMALL_KV = ["--cpu-kv-cache-gib", "0.01"]  # a small pool, whatever the workload
 
 
 @pytest.fixture(autouse=True)
@@ -203,6 +204,35 @@ def test_reports_default_outside_the_repository(monkeypatch: pytest.MonkeyPatch)
     parser = argparse.ArgumentParser()
     ladder.add_arguments(parser)
     assert parser.parse_args([]).report_dir is None  # no folder of its own: the default above
+
+
+def _repository_state() -> str:
+    """Every file git sees in the repository, committed or not (ignored ones aside), with its status."""
+    run = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=all"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return run.stdout
+
+
+@pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs the git checkout")
+def test_tokenmill_bench_ladder_from_the_repository_root_writes_nowhere_in_it(
+    tiny_llama_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """As the README runs it, from the repository root with nothing set: the report lands in the user's
+    cache folder, and the repository (its committed reports/ included) is left as it was."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv(report.REPORT_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    before = _repository_state()
+    argv = ["bench", "ladder", *_ladder_args(tiny_llama_folder, None), "--skip-hf", "--rungs", "recompute"]
+    assert cli_main(argv) == 0
+    assert _repository_state() == before
+    written = tmp_path / "cache" / "tokenmill" / "reports" / "ladder-cpu"
+    assert {"ladder.md", "ladder.json"} <= {path.name for path in written.iterdir()}
+    assert f"to {written}" in capsys.readouterr().out
 
 
 def test_provenance_names_commit_command_machine_and_date() -> None:

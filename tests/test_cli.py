@@ -1,14 +1,30 @@
-"""The command line's own behaviour: help reaches each benchmark's options; bad input is one line, exit 2."""
+"""The command line's own behaviour: help reaches each benchmark's options; bad input is one line, exit 2,
+answered before torch is imported; every flag describes itself; dummy weights take token ids or a
+tokenizer."""
 
 import argparse
+import os
+import subprocess
+import sys
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tokenmill.cli import BENCHMARKS, EXIT_BAD_INPUT, main
+from engine_helpers import llm_for
+from test_tokenizer import build_llama_style_hf_tokenizer
+from tokenmill import LLM
+from tokenmill.cli import BENCHMARKS, CLI_TEMPERATURE, EXIT_BAD_INPUT, main
+from tokenmill.cli_checks import nvidia_driver_present
 from tokenmill.config import FLAT_OPTIONS, GROUPS, EngineConfig
 from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
+from tokenmill.config_help import OPTION_HELP
+from tokenmill.loading import DTYPES, load_model
+from tokenmill.loading.source import LOAD_FORMATS
+from tokenmill.reference import greedy_generate
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer
 
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))
@@ -61,3 +77,191 @@ def test_a_bad_engine_flag_value_is_refused_by_the_parser(capsys: Any) -> None:
         main(["generate", "hi", "--scheduling-policy", "lifo"])
     assert exit_info.value.code == EXIT_BAD_INPUT
     assert "--scheduling-policy" in capsys.readouterr().err
+
+
+# -- flags are checked before torch is imported ------------------------------------------------------------
+
+_RUN_MAIN = """
+import sys
+from tokenmill.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exit_info:
+    code = exit_info.code
+heavy = sorted(name for name in ("torch", "transformers", "numpy") if name in sys.modules)
+print("imported:", ",".join(heavy) or "nothing heavy", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``tokenmill ARGV`` in a fresh interpreter, which reports on stderr the heavy modules it imported."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env.pop("TRITON_INTERPRET", None)  # conftest sets it; a user's shell does not
+    return subprocess.run(
+        [sys.executable, "-c", _RUN_MAIN, *argv], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--help"], None),
+        (["generate", "--help"], None),
+        (["bench", "ladder", "--help"], None),
+        (["generate", "hi", "--attention-backend", "triton", "--device", "cpu"], "needs a CUDA device"),
+        (["bench", "ladder", "--rungs", "foo"], "invalid choice: 'foo'"),
+        (["bench", "scenarios", "--workload", "nope"], "unknown workload 'nope'"),
+        (["generate", "hi", "--dtype", "float64"], "--dtype"),
+        (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--max-model-len", "0"], "max_model_len"),
+        (["generate", "hi", "--cpu-kv-cache-gib", "-1"], "cpu_kv_cache_gib"),
+        (["generate"], "give a prompt, or --prompt-token-ids"),
+        (["generate", "hi", "--prompt-token-ids", "1,x"], "expected token ids"),
+        (["generate", "hi", "--model", "llama-3.2-1b", "--load-format", "dummy"], "--tokenizer"),
+        (["chat", "--model", "gpt2", "--load-format", "dummy"], "--tokenizer"),
+    ],
+)
+def test_help_and_bad_flags_answer_without_importing_torch(argv: list[str], message: str | None) -> None:
+    result = _run_cli(*argv)
+    assert "imported: nothing heavy" in result.stderr, result.stderr
+    if message is None:
+        assert result.returncode == 0 and result.stdout.startswith("usage: tokenmill")
+    else:
+        assert result.returncode == EXIT_BAD_INPUT and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_triton_without_cuda_is_refused_on_the_auto_device_too() -> None:
+    if nvidia_driver_present():
+        pytest.skip("this machine has an NVIDIA driver: the device is decided by torch")
+    result = _run_cli("generate", "hi", "--attention-backend", "triton")
+    assert result.returncode == EXIT_BAD_INPUT and "no CUDA device" in result.stderr
+
+
+# -- help texts ------------------------------------------------------------------------------------------
+
+
+def test_every_engine_setting_has_a_description_choices_and_its_default() -> None:
+    assert set(OPTION_HELP) == set(FLAT_OPTIONS), "each EngineConfig setting needs its help text"
+    parser = argparse.ArgumentParser()
+    add_engine_config_arguments(parser)
+    actions = {action.dest: action for action in parser._actions if action.dest in FLAT_OPTIONS}
+    defaults = EngineConfig()
+    for name, action in actions.items():
+        assert action.help and not action.help.startswith("EngineConfig."), name
+        default = defaults.option(name)
+        if isinstance(default, bool):
+            assert f"default: {'on' if default else 'off'}" in action.help, name
+        elif default is not None:
+            assert f"default: {default}" in action.help, name
+    assert actions["attention_backend"].choices == ("torch", "triton")
+    assert "choices: torch, triton" in str(actions["attention_backend"].help)
+    assert actions["dtype"].choices == ("auto", *DTYPES)
+    assert actions["load_format"].choices == LOAD_FORMATS
+
+
+def test_sampling_flags_describe_themselves_and_their_defaults(capsys: Any) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for flag, default in [
+        ("--max-tokens", "256"),
+        ("--temperature", "0.7"),
+        ("--top-p", "1.0"),
+        ("--top-k", "0"),
+        ("--min-p", "0"),
+        ("--repetition-penalty", "1.0"),
+        ("--presence-penalty", "0"),
+        ("--frequency-penalty", "0"),
+        ("--seed", "none"),
+        ("--stop", "none"),
+    ]:
+        described = usage.split(f"{flag} {flag.lstrip('-').replace('-', '_').upper()}")[-1][:300]
+        assert f"(default: {default}" in described or f"default: {default}" in described, flag
+    assert "default to 1.0" in usage  # why the command line's temperature differs from SamplingParams'
+    assert SamplingParams().temperature == 1.0 and CLI_TEMPERATURE == 0.7
+
+
+# -- prompt token ids and --tokenizer on dummy weights ----------------------------------------------------
+
+
+def test_prompt_token_ids_on_dummy_weights_print_the_reference_greedy_ids(
+    tiny_llama_folder: Path, capsys: Any
+) -> None:
+    config_json = str(tiny_llama_folder / "config.json")
+    argv = ["generate", "--model", config_json, "--load-format", "dummy", "--temperature", "0"]
+    assert main([*argv, "--prompt-token-ids", "5,17,42", "--max-tokens", "6", "--ignore-eos"]) == 0
+    printed = [int(token) for token in capsys.readouterr().out.split()]
+    loaded = load_model(config_json, load_format="dummy")
+    assert printed == greedy_generate(loaded.model, [5, 17, 42], 6).token_ids
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer folder (no weights) whose vocabulary fits the tiny models' 384 ids."""
+    folder = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_llama_style_hf_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_a_dummy_model_takes_the_named_tokenizer(
+    tiny_llama_folder: Path, tiny_tokenizer_folder: Path, capsys: Any
+) -> None:
+    """--tokenizer gives dummy weights text in and out: the prompt is encoded by that tokenizer, the tokens
+    are the reference greedy ones for those ids, and the command prints their text as LLM.generate has it."""
+    config_json = str(tiny_llama_folder / "config.json")
+    common = ["--model", config_json, "--load-format", "dummy", "--temperature", "0", "--max-tokens", "5"]
+    common += ["--ignore-eos", "--tokenizer", str(tiny_tokenizer_folder)]
+    assert main(["generate", "Hello world", *common]) == 0
+    printed = capsys.readouterr().out.removesuffix("\n")
+    llm = LLM(config_json, load_format="dummy", tokenizer=str(tiny_tokenizer_folder))
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    output = llm.generate("Hello world", greedy)[0]
+    prompt_ids = Tokenizer.from_pretrained(tiny_tokenizer_folder).encode("Hello world")
+    assert output.prompt_token_ids == prompt_ids
+    assert output.outputs[0].token_ids == greedy_generate(llm.engine.loaded.model, prompt_ids, 5).token_ids
+    assert printed == output.outputs[0].text
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tiny_llama_folder: Path, capsys: Any) -> None:
+    config_json = str(tiny_llama_folder / "config.json")
+    argv = ["generate", "Hi", "--model", config_json, "--load-format", "dummy", "--tokenizer", "smollm2"]
+    code = main(argv)
+    assert code == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "49152 tokens" in err and "vocabulary of 384" in err
+
+
+# -- chat with piped input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_chat_with_piped_input_prints_the_replies_alone(smollm2: Any) -> None:
+    """No ``you>`` / ``assistant>`` prompts and no banner when stdin is not a terminal: stdout is exactly
+    the two greedy replies, each as the offline API gives it for the conversation so far."""
+    questions = ["What is the capital of France?", "And of Italy?"]
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "chat", "--temperature", "0", "--max-tokens", "24"],
+        input="\n".join(questions) + "\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "tokenmill chat:" not in result.stderr
+    llm = llm_for(smollm2, max_num_seqs=1)
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    history: list[dict[str, str]] = []
+    expected = ""
+    for question in questions:
+        history.append({"role": "user", "content": question})
+        reply = llm.chat(history, greedy)[0].outputs[0].text
+        history.append({"role": "assistant", "content": reply})
+        expected += reply + "\n"
+    assert result.stdout == expected

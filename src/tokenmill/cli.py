@@ -1,32 +1,39 @@
 """The ``tokenmill`` command: ``generate``, ``chat``, ``serve`` and ``bench``.
 
-Bad input (an unknown flag value, a prompt longer than the context, ...) ends with one clear line on
-stderr and a non-zero exit status, never a traceback.
+Every flag is parsed and checked before torch, transformers or a model is loaded, so ``--help`` and a typo
+answer at once: this module imports neither; the commands (``cli_commands``, the benchmarks' modules)
+import them once the command line is known to be good. Bad input (an unknown flag value, a prompt longer
+than the context, ...) ends with one clear line on stderr and a non-zero exit status, never a traceback.
 """
 
 import argparse
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from tokenmill.benchmarks.arguments import BENCHMARK_ARGUMENTS
+from tokenmill.cli_checks import check_before_loading, parse_token_ids
 from tokenmill.config import EngineConfig
 from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
-from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.errors import TokenmillError
 from tokenmill.sampling_params import SamplingParams
 
 EXIT_BAD_INPUT = 2
+# name -> (the module that runs it, what it measures)
 BENCHMARKS = {
-    "ladder": "tokenmill.benchmarks.ladder",
-    "latency": "tokenmill.benchmarks.latency",
-    "throughput": "tokenmill.benchmarks.throughput",
-    "load-memory": "tokenmill.benchmarks.load_memory",
-    "serve": "tokenmill.benchmarks.serve",
-    "kernels": "tokenmill.benchmarks.kernels",
-    "scenarios": "tokenmill.benchmarks.scenarios",
+    "ladder": ("tokenmill.benchmarks.ladder.command", "every optimization rung on one workload, HF as peer"),
+    "latency": ("tokenmill.benchmarks.latency", "batch-1 decode latency, HF generate as peer"),
+    "throughput": ("tokenmill.benchmarks.throughput", "offline throughput of many requests"),
+    "load-memory": ("tokenmill.benchmarks.load_memory", "peak memory while loading a model"),
+    "serve": ("tokenmill.benchmarks.serve.command", "load test of a running OpenAI-compatible server"),
+    "kernels": ("tokenmill.benchmarks.kernels.command", "each Triton kernel against its PyTorch code"),
+    "scenarios": ("tokenmill.benchmarks.scenarios.command", "scheduling features off / on, per workload"),
 }
+# The command line's own temperature: milder than SamplingParams' (and OpenAI's) 1.0, for text that reads
+# well in a terminal from a small model; the server and LLM.generate keep 1.0.
+CLI_TEMPERATURE = 0.7
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,35 +42,73 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
 
-# --seed is the sampling seed here (the engine's own only seeds dummy weights); --model has its own help.
-_NOT_ENGINE_FLAGS = frozenset({"model", "seed"})
+# --seed is the sampling seed here (the engine's own only seeds dummy weights).
+_NOT_ENGINE_FLAGS = frozenset({"seed"})
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model and engine")
-    group.add_argument(
-        "--model", default=None, help="HF folder, .gguf file, hub id or preset (default: SmolLM2)"
-    )
-    add_engine_config_arguments(group, exclude=_NOT_ENGINE_FLAGS)
+def add_engine_arguments(parser: argparse.ArgumentParser, one_sequence: bool = False) -> None:
+    """EngineConfig's flags; ``one_sequence``: the command runs one sequence at a time (generate, chat),
+    so ``--max-num-seqs`` defaults to 1 there, which also sizes the CPU KV pool for one."""
+    add_engine_config_arguments(parser.add_argument_group("model and engine"), exclude=_NOT_ENGINE_FLAGS)
+    if one_sequence:
+        action = next(action for action in parser._actions if action.dest == "max_num_seqs")
+        action.help = "sequences running at once (default: 1 for this command, which runs one at a time)"
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=max_tokens)
-    group.add_argument("--temperature", type=float, default=0.7)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
-    group.add_argument("--presence-penalty", type=float, default=0.0)
-    group.add_argument("--frequency-penalty", type=float, default=0.0)
-    group.add_argument("--seed", type=int, default=None)
-    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true")
-
-
-def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model).with_options(**engine_options_from(args, exclude=_NOT_ENGINE_FLAGS))
+    group.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default: {max_tokens})"
+    )
+    group.add_argument(
+        "--temperature",
+        type=float,
+        default=CLI_TEMPERATURE,
+        help="0 is greedy, higher is more random (default: 0.7 on the command line, for readable text "
+        "from a small model; LLM.generate and the server default to 1.0, as OpenAI does)",
+    )
+    group.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="keep the most likely tokens up to this total probability (default: 1.0, off)",
+    )
+    group.add_argument(
+        "--top-k", type=int, default=0, help="keep only the K most likely tokens (default: 0, off)"
+    )
+    group.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens less likely than this share of the most likely one's probability (default: 0, off)",
+    )
+    group.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide the scores of tokens already in the prompt or output by this (HF; default: 1.0, off)",
+    )
+    group.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="lower the logits of tokens already generated by this, -2 to 2 (OpenAI; default: 0)",
+    )
+    group.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="lower each token's logit by this times its count so far, -2 to 2 (OpenAI; default: 0)",
+    )
+    group.add_argument(
+        "--seed", type=int, default=None, help="sampling seed, for repeatable output (default: none)"
+    )
+    group.add_argument(
+        "--stop", action="append", default=None, help="stop before this text (repeatable; default: none)"
+    )
+    group.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens"
+    )
 
 
 def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
@@ -82,129 +127,110 @@ def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def stream(engine: LLMEngine, request_id: str, prompt: str | list[int], params: SamplingParams) -> str:
-    """Run one request, printing its text as it is generated; returns the whole text."""
-    engine.add_request(request_id, prompt, params)
-    pieces = []
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            print(delta.new_text, end="", flush=True)
-            pieces.append(delta.new_text)
-    print()
-    return "".join(pieces)
-
-
-def run_generate(args: argparse.Namespace) -> int:
-    params = sampling_params_from(args)
-    engine = LLMEngine(engine_config_from(args))
-    stream(engine, "generate", args.prompt, params)
-    return 0
-
-
-def run_chat(args: argparse.Namespace) -> int:
-    params = sampling_params_from(args)
-    engine = LLMEngine(engine_config_from(args))
-    if engine.tokenizer is None:
-        raise TokenmillError("this model has no tokenizer, so it cannot chat")
-    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    print(
-        "tokenmill chat: type a message; /reset clears the history, /exit (or Ctrl-D) quits.", file=sys.stderr
-    )
-    for turn in range(sys.maxsize):
-        try:
-            line = input("you> ").strip()
-        except EOFError:
-            break
-        if line in ("/exit", "/quit"):
-            break
-        if line == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        if not line:
-            continue
-        history.append({"role": "user", "content": line})
-        prompt_ids = engine.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
-        print("assistant> ", end="", flush=True)
-        reply = stream(engine, f"chat-{turn}", prompt_ids, params)
-        history.append({"role": "assistant", "content": reply})
-    return 0
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    options = engine_options_from(args, exclude=_NOT_ENGINE_FLAGS)
+    if args.command in ("generate", "chat") and options.get("max_num_seqs") is None:
+        options["max_num_seqs"] = 1  # one sequence at a time: a KV pool (on CPU) sized for one
+    return EngineConfig().with_options(**options)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     group.add_argument(
         "--api-key",
         default=os.environ.get("TOKENMILL_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY, else no key)",
     )
     group.add_argument(
-        "--max-waiting", type=int, default=None, help="sequences allowed to wait for a slot; more get a 503"
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="sequences allowed to wait for a slot; more get a 503 (default: no bound)",
     )
     group.add_argument(
-        "--request-timeout", type=float, default=None, help="seconds before a request is aborted with a 504"
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds before a request is aborted with a 504 (default: no limit)",
     )
-    group.add_argument("--served-model-name", default=None, help="the model name clients send")
+    group.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: --model's)"
+    )
     levels = ["critical", "error", "warning", "info", "debug"]
-    group.add_argument("--log-level", default="info", choices=levels)
+    group.add_argument("--log-level", default="info", choices=levels, help="uvicorn's (default: info)")
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    from tokenmill.server import ServerSettings, create_app, default_served_model_name, serve
-
+def check_server_arguments(args: argparse.Namespace) -> None:
     if args.max_waiting is not None and args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    engine = LLMEngine(engine_config_from(args))
-    settings = ServerSettings(
-        served_model_name=args.served_model_name or default_served_model_name(engine),
-        api_key=args.api_key or None,
-        max_waiting=args.max_waiting,
-        request_timeout_s=args.request_timeout,
-    )
-    url = f"http://{args.host}:{args.port}"
-    print(f"tokenmill: serving '{settings.served_model_name}' on {url}", file=sys.stderr)
-    serve(create_app(engine, settings), args.host, args.port, args.log_level)
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tokenmill", description="An LLM inference engine, from scratch.")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="complete one prompt, streaming tokens to the terminal")
-    generate.add_argument("prompt")
-    add_engine_arguments(generate)
+    generate.add_argument("prompt", nargs="?", default=None, help="the text to complete")
+    generate.add_argument(
+        "--prompt-token-ids",
+        type=parse_token_ids,
+        default=None,
+        metavar="IDS",
+        help="the prompt as token ids instead of text, e.g. 1,2,3 (for a model without a tokenizer; "
+        "the output is then token ids too)",
+    )
+    add_engine_arguments(generate, one_sequence=True)
     add_sampling_arguments(generate)
-    generate.set_defaults(handler=run_generate)
-    chat = commands.add_parser("chat", help="interactive chat with the model's chat template")
-    chat.add_argument("--system", default=None, help="system message")
-    add_engine_arguments(chat)
+    chat = commands.add_parser("chat", help="chat with the model's chat template (reads lines from stdin)")
+    chat.add_argument("--system", default=None, help="system message (default: none)")
+    add_engine_arguments(chat, one_sequence=True)
     add_sampling_arguments(chat)
-    chat.set_defaults(handler=run_chat)
     server = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, ...)")
     add_server_arguments(server)
     add_engine_arguments(server)
-    server.set_defaults(handler=run_serve)
-    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
-    for name, module in BENCHMARKS.items():
+    bench = commands.add_parser("bench", help="benchmarks (tokenmill bench NAME --help)")
+    names = bench.add_subparsers(dest="benchmark", required=True)
+    for name, (_, summary) in BENCHMARKS.items():
         # No -h of its own: --help reaches the benchmark's parser, which knows the options.
-        sub = bench.add_parser(name, help=f"the {name} benchmark", add_help=False)
-        sub.set_defaults(handler=_lazy_benchmark(module), bench_parser=sub, bench_module=module)
+        names.add_parser(name, help=summary, add_help=False)
     return parser
 
 
-def _lazy_benchmark(module_name: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        module: Any = importlib.import_module(module_name)
-        parser = _Parser(prog=f"tokenmill bench {args.benchmark}")
-        module.add_arguments(parser)
-        return int(module.run(parser.parse_args(args.bench_args)))
+def parse_benchmark_arguments(name: str, argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(prog=f"tokenmill bench {name}", description=BENCHMARKS[name][1])
+    BENCHMARK_ARGUMENTS[name](parser)
+    return parser.parse_args(argv)
 
-    return run
+
+def run_benchmark(name: str, args: argparse.Namespace) -> int:
+    module: Any = importlib.import_module(BENCHMARKS[name][0])
+    return int(module.run(args))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Check everything that can be checked without torch, then run the command."""
+    config = engine_config_from(args)
+    if args.command == "serve":
+        check_server_arguments(args)
+        check_before_loading(config, args.command, has_text_prompt=False)
+        from tokenmill.cli_commands import run_serve
+
+        return run_serve(args, config)
+    params = sampling_params_from(args)
+    text_prompt = args.command == "chat" or args.prompt is not None
+    if args.command == "generate" and (args.prompt is None) == (args.prompt_token_ids is None):
+        raise ValueError("give a prompt, or --prompt-token-ids, but not both")
+    check_before_loading(config, args.command, has_text_prompt=text_prompt)
+    from tokenmill.cli_commands import run_chat, run_generate
+
+    if args.command == "chat":
+        return run_chat(config, params, args.system)
+    return run_generate(config, params, args.prompt or args.prompt_token_ids)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -212,11 +238,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "bench":
-        args.bench_args = extra
+        bench_args = parse_benchmark_arguments(args.benchmark, extra)
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return int(args.handler(args))
+        if args.command == "bench":
+            return run_benchmark(args.benchmark, bench_args)
+        return run_command(args)
     except (TokenmillError, ValueError) as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

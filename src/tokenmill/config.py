@@ -47,7 +47,9 @@ class KVCacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from free memory
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gib: float = 2.0  # KV budget on CPU, where free memory is not a safe guide
+    # KV budget on CPU, where free memory is not a safe guide; None: sized from the model, max_model_len and
+    # max_num_seqs (see tokenmill.cache.kv_pool.default_cpu_kv_budget)
+    cpu_kv_cache_gib: float | None = None
     # Reuse the KV blocks of prompt prefixes seen before (radix tree, LRU). None (auto): on with paged KV.
     prefix_caching: bool | None = None
 
@@ -61,7 +63,12 @@ class KVCacheConfig:
             "in (0, 1]",
             self.gpu_memory_utilization,
         )
-        _require(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", "positive", self.cpu_kv_cache_gib)
+        _require(
+            self.cpu_kv_cache_gib is None or self.cpu_kv_cache_gib > 0,
+            "cpu_kv_cache_gib",
+            "positive (or None: sized)",
+            self.cpu_kv_cache_gib,
+        )
         _require(
             not (self.prefix_caching and self.mode != "paged"),
             "prefix_caching",
@@ -193,6 +200,7 @@ class EngineConfig:
     """How the engine loads the model and serves requests; one frozen group per part of the engine."""
 
     model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
+    tokenizer: str | None = None  # None: the model's own; else another model's (e.g. for dummy weights)
     device: str = "auto"  # "auto": cuda when available, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
     load_format: str = "auto"  # "dummy": random weights of the named preset / config

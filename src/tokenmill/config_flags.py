@@ -1,7 +1,8 @@
 """Command-line flags for every ``EngineConfig`` setting, derived from the dataclasses so a new toggle needs
 no flag of its own: a setting's flat name (``tokenmill.config.FLAT_OPTIONS``) ``max_num_seqs`` is
 ``--max-num-seqs N``, a bool is ``--prefix-caching`` / ``--no-prefix-caching``, a ``Literal`` lists its
-choices. A flag left unset keeps EngineConfig's default."""
+choices. A flag left unset keeps EngineConfig's default. Each flag's help is the setting's description
+(``tokenmill.config_help``), then its choices and its default."""
 
 import argparse
 import types
@@ -11,6 +12,7 @@ from dataclasses import MISSING, Field, fields
 from typing import Any
 
 from tokenmill.config import FLAT_OPTIONS, GROUPS, EngineConfig
+from tokenmill.config_help import CHOICES, OPTION_HELP
 
 
 def add_engine_config_arguments(
@@ -22,13 +24,26 @@ def add_engine_config_arguments(
             continue
         flag = "--" + name.replace("_", "-")
         default = field.default if field.default is not MISSING else None
-        help_text = f"EngineConfig.{_path(name)} (default: {default})"
+        choices = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else CHOICES.get(name)
+        help_text = option_help(name, default, choices)
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif typing.get_origin(kind) is typing.Literal:
-            parser.add_argument(flag, choices=typing.get_args(kind), default=None, help=help_text)
+        elif choices:
+            parser.add_argument(flag, choices=choices, default=None, help=help_text)
         else:
             parser.add_argument(flag, type=_parser_for(kind), default=None, help=help_text)
+
+
+def option_help(name: str, default: Any, choices: Collection[str] | None = None) -> str:
+    """``--max-num-seqs``'s help: what the setting does, its choices, and EngineConfig's default."""
+    parts = [OPTION_HELP.get(name, f"EngineConfig.{_path(name)}")]
+    if choices:
+        parts.append(f"choices: {', '.join(choices)}")
+    if isinstance(default, bool):
+        parts.append(f"default: {'on' if default else 'off'}")
+    elif default is not None:
+        parts.append(f"default: {default}")
+    return f"{parts[0]} ({'; '.join(parts[1:])})" if len(parts) > 1 else parts[0]
 
 
 def engine_options_from(args: argparse.Namespace, exclude: Collection[str] = ()) -> dict[str, Any]:

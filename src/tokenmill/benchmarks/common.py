@@ -1,49 +1,19 @@
-"""Command-line options and setup shared by the benchmarks: the model, the engine, the workload."""
+"""Setup shared by the benchmarks: the model, the engine, the workload (their shared flags are in
+``benchmarks.arguments``, re-exported here)."""
 
 import argparse
-from collections.abc import Callable, Collection
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
+from tokenmill.benchmarks.arguments import add_engine_arguments, add_model_arguments, engine_options
 from tokenmill.benchmarks.workload import Workload, WorkloadSpec, build_workload
 from tokenmill.config import EngineConfig
-from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
 from tokenmill.engine.llm_engine import resolve_device
 from tokenmill.loading import LoadedModel, load_model
 
 MAX_MODEL_LEN_MULTIPLE = 64
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model")
-    group.add_argument(
-        "--model", default=None, help="model folder, .gguf file, hub id or preset (default: embedded)"
-    )
-    group.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default: auto)")
-    group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (default: auto)")
-    group.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
-    group.add_argument("--seed", type=int, default=0, help="workload and engine seed (default: 0)")
-    group.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's)"
-    )
-    group.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-# Fields every benchmark sets its own way: from --model / --device / ... and the workload's length.
-_SET_BY_BENCHMARK = frozenset({"model", "device", "dtype", "load_format", "seed", "max_model_len"})
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
-    """EngineConfig toggles (every field but the model's and ``exclude``); options left unset keep
-    EngineConfig's defaults."""
-    group = parser.add_argument_group("tokenmill engine")
-    group.add_argument("--max-model-len", type=int, default=None, help="default: fit the workload")
-    add_engine_config_arguments(group, exclude=_SET_BY_BENCHMARK | set(exclude))
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return engine_options_from(args, exclude=_SET_BY_BENCHMARK)
+__all__ = ["add_engine_arguments", "add_model_arguments", "engine_options"]
 
 
 def load_for_args(args: argparse.Namespace) -> LoadedModel:
@@ -51,7 +21,12 @@ def load_for_args(args: argparse.Namespace) -> LoadedModel:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     return load_model(
-        args.model, device=device, dtype=args.dtype, load_format=args.load_format, seed=args.seed
+        args.model,
+        device=device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        seed=args.seed,
+        tokenizer=getattr(args, "tokenizer", None),
     )
 
 

@@ -13,12 +13,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from tokenmill.benchmarks import common
+from tokenmill.benchmarks.arguments import add_latency_arguments as add_arguments
 from tokenmill.benchmarks.common import run_as_script
 from tokenmill.benchmarks.correctness import check_fast_path
 from tokenmill.benchmarks.hf_peer import HFPeer, build_hf_peer
@@ -171,19 +171,6 @@ def prefill_flops(loaded: LoadedModel, num_tokens: int) -> float:
 
 
 # -- the command ------------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    common.add_model_arguments(parser)
-    common.add_engine_arguments(parser)
-    group = parser.add_argument_group("latency")
-    group.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
-    group.add_argument("--output-len", type=int, default=64, help="output tokens, EOS ignored (default 64)")
-    group.add_argument("--iters", type=int, default=5, help="measured runs, after one warm-up (default 5)")
-    group.add_argument("--skip-hf", action="store_true", help="do not run the HF generate peer")
-    group.add_argument(
-        "--report-dir", type=Path, default=None, help="also write what is printed to latency.md there"
-    )
 
 
 def run(args: argparse.Namespace) -> int:

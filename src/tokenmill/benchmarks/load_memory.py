@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.benchmarks.arguments import add_load_memory_arguments as add_arguments
 from tokenmill.benchmarks.report import detect_hardware, provenance
 from tokenmill.loading import load_model
 
@@ -82,16 +83,6 @@ def measure_load_memory(
     params = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in loaded.model.buffers())
     return LoadMemoryReport(model, device, dtype, params + buffers, peak, loaded.load_seconds)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", required=True, help="folder, .gguf, hub id, or a preset with --load-format dummy"
-    )
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,13 +11,13 @@ measured run's greedy tokens must equal those, or no number is reported. HF mism
 
 import argparse
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tokenmill.benchmarks import common
+from tokenmill.benchmarks.arguments import add_throughput_arguments as add_arguments
 from tokenmill.benchmarks.correctness import check_fast_path
 from tokenmill.benchmarks.hf_peer import HFPeer, PeerUnavailableError, build_hf_peer
 from tokenmill.benchmarks.latency import decode_bytes_per_token, measure_copy_bandwidth
@@ -32,25 +32,10 @@ from tokenmill.benchmarks.report import (
     provenance,
     write_json,
 )
-from tokenmill.benchmarks.workload import PromptSource, Workload, WorkloadSpec
+from tokenmill.benchmarks.workload import DATASETS, Workload, WorkloadSpec
 from tokenmill.config import EngineConfig
 from tokenmill.engine.hardware_defaults import Platform, resolve_config
 from tokenmill.loading import LoadedModel
-
-
-@dataclass(frozen=True)
-class Dataset:
-    num_requests: int
-    length_range: tuple[int, int]  # input and output lengths, both uniform in it
-    ignore_eos: bool
-    prompt_source: PromptSource
-    seed: int
-
-
-DATASETS = {
-    # nano-vllm's bench.py workload: 256 requests, random prompts and outputs of 100..1024 tokens.
-    "nano-vllm": Dataset(256, (100, 1024), True, "random", 0),
-}
 
 
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
@@ -114,34 +99,6 @@ def result_row(result: RunResult, reference: RunResult) -> list[str]:
 
 
 # -- the command ------------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    common.add_model_arguments(parser)
-    common.add_engine_arguments(parser)
-    group = parser.add_argument_group("workload")
-    group.add_argument("--dataset", choices=sorted(DATASETS), default=None, help="a preset workload")
-    group.add_argument("--num-requests", type=int, default=32)
-    group.add_argument("--input-len", type=int, default=64, help="fixed prompt length (default 64)")
-    group.add_argument("--output-len", type=int, default=64, help="fixed output length (default 64)")
-    group.add_argument(
-        "--random-range",
-        type=int,
-        nargs=2,
-        metavar=("LO", "HI"),
-        default=None,
-        help="input and output lengths uniform in [LO, HI] instead of fixed",
-    )
-    group.add_argument("--ignore-eos", action="store_true", help="always generate the full output length")
-    group.add_argument("--prompt-source", choices=("auto", "text", "random"), default="auto")
-    group = parser.add_argument_group("comparison")
-    group.add_argument("--hf-batch-size", type=int, default=8, help="HF generate static batch (default 8)")
-    group.add_argument("--hf-continuous", action="store_true", help="also run HF continuous batching")
-    group.add_argument("--skip-hf", action="store_true", help="do not run the HF peer")
-    group.add_argument(
-        "--verify-requests", type=int, default=4, help="requests re-run alone to check (0: none)"
-    )
-    group.add_argument("--report-dir", type=Path, default=None, help="also write throughput.md/.json here")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -212,6 +212,21 @@ def corpus_slice(corpus_ids: Sequence[int], length: int, rng: random.Random) -> 
     return list((list(corpus_ids) * repeats)[start : start + length])
 
 
+@dataclass(frozen=True)
+class Dataset:
+    num_requests: int
+    length_range: tuple[int, int]  # input and output lengths, both uniform in it
+    ignore_eos: bool
+    prompt_source: PromptSource
+    seed: int
+
+
+DATASETS = {
+    # nano-vllm's bench.py workload: 256 requests, random prompts and outputs of 100..1024 tokens.
+    "nano-vllm": Dataset(256, (100, 1024), True, "random", 0),
+}
+
+
 def parse_length_range(text: str) -> tuple[int, int]:
     """``"64"`` → (64, 64); ``"32-96"``, ``"32:96"`` or ``"32,96"`` → (32, 96)."""
     for separator in ("-", ":", ","):

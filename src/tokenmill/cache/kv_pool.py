@@ -35,6 +35,19 @@ def num_blocks_for_budget(
     return num_blocks
 
 
+CPU_KV_CACHE_CAP_BYTES = 2 * _GIB  # the most a sized CPU pool takes unless one sequence needs more
+
+
+def sized_cpu_kv_budget(bytes_per_token: int, block_size: int, max_model_len: int, max_running: int) -> int:
+    """The CPU pool's bytes when ``cpu_kv_cache_gib`` is unset: room for ``max_running`` sequences of
+    ``max_model_len`` tokens, at most 2 GiB, but never less than one full-length sequence (so a prompt up
+    to the context limit can always run), in whole blocks."""
+    block_bytes = block_size * bytes_per_token
+    one_sequence = -(-max_model_len // block_size) * block_bytes
+    wanted = min(max_running * one_sequence, CPU_KV_CACHE_CAP_BYTES // block_bytes * block_bytes)
+    return max(wanted, one_sequence)
+
+
 @dataclass(frozen=True)
 class DeviceMemory:
     """What KV sizing needs to know about a GPU's memory, read once (see :func:`read_device_memory`)."""

@@ -77,6 +77,7 @@ class LLMEngine:
             load_format=config.load_format,
             max_model_len=config.max_model_len,
             seed=config.seed,
+            tokenizer=config.tokenizer,
         )
         self.load_seconds = time.perf_counter() - started
         self.model_config = self.loaded.config

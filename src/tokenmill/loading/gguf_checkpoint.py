@@ -359,18 +359,33 @@ class GGUFCheckpoint(Checkpoint):
         from transformers import AutoTokenizer
 
         from tokenmill.tokenizer import Tokenizer
+        from tokenmill.tokenizer.chat_templates import FALLBACK_CHAT_TEMPLATES
 
         try:
             hf_tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
         except Exception as exc:  # transformers raises many kinds; all mean the vocabulary cannot be used
             raise self.meta.error(f"transformers cannot build a tokenizer from this file: {exc}") from None
         template = self.meta.get("tokenizer.chat_template")
-        if isinstance(template, str) and not getattr(hf_tokenizer, "chat_template", None):
+        if not isinstance(template, str):
+            template = FALLBACK_CHAT_TEMPLATES.get(self.meta.arch)
+        if template is not None and not getattr(hf_tokenizer, "chat_template", None):
             hf_tokenizer.chat_template = template
         add_bos = self.meta.get("tokenizer.ggml.add_bos_token")
         return Tokenizer(hf_tokenizer, add_bos=add_bos if isinstance(add_bos, bool) else None)
 
     def eos_token_ids(self) -> tuple[int, ...]:
         """The end-of-sequence id plus end-of-turn / end-of-message ids where the file names them."""
-        ids = (self.meta.token_id(name) for name in ("eos", "eot", "eom"))
+        ids = [self.meta.token_id(name) for name in ("eos", "eot", "eom")]
+        if ids[1] is None:
+            ids.append(self._end_of_turn_id())
         return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+    def _end_of_turn_id(self) -> int | None:
+        """The id of the architecture's known end-of-turn token (Gemma's ``<end_of_turn>``), if any."""
+        from tokenmill.tokenizer.chat_templates import END_OF_TURN_TOKENS
+
+        tokens = self.meta.get("tokenizer.ggml.tokens")
+        name = END_OF_TURN_TOKENS.get(self.meta.arch)
+        if name is None or not isinstance(tokens, list) or name not in tokens:
+            return None
+        return tokens.index(name)

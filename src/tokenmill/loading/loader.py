@@ -5,6 +5,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,14 +61,18 @@ def load_model(
     load_format: str = "auto",
     max_model_len: int | None = None,
     seed: int = 0,
+    tokenizer: str | os.PathLike[str] | None = None,
 ) -> LoadedModel:
-    """Load ``model`` (None: the embedded default; a folder, .gguf file, hub id, or with
-    ``load_format="dummy"`` a preset name or config.json) onto ``device`` in ``dtype``."""
+    """Load ``model`` (None: the embedded default; a folder, .gguf file, installed model's short name, hub
+    id, or with ``load_format="dummy"`` a preset name or config.json) onto ``device`` in ``dtype``.
+    ``tokenizer`` names another model whose tokenizer to use instead (as vLLM's ``tokenizer``): how a
+    dummy-weight model gets one."""
     start = time.perf_counter()
     device = torch.device(device)
     torch_dtype = parse_dtype(dtype, device)
     source = resolve_source(model, load_format)
-    tokenizer: Tokenizer | None = None
+    # The named tokenizer first: a wrong name fails before the weights are loaded.
+    own_tokenizer: Tokenizer | None = None if tokenizer is None else load_tokenizer(tokenizer)
     extra_eos: tuple[int, ...] = ()
     if isinstance(source, DummySource):
         config = config_from_hf(source.config, source.name)
@@ -78,11 +83,39 @@ def load_model(
         config = config_from_hf(source.hf_config(), str(source.config_file))
         net = build_model(config, device, torch_dtype, max_model_len)
         load_checkpoint_weights(net, source)
-        tokenizer, extra_eos, name = source.tokenizer(), source.eos_token_ids(), str(source.path)
+        extra_eos, name = source.eos_token_ids(), str(source.path)
+        if own_tokenizer is None:
+            own_tokenizer = source.tokenizer()
+    if tokenizer is not None and own_tokenizer is not None:
+        _check_vocabulary_fits(own_tokenizer, config, str(tokenizer))
     eos = tuple(dict.fromkeys(config.eos_token_ids + extra_eos))
     return LoadedModel(
-        net.eval(), config, tokenizer, eos, name, device, torch_dtype, time.perf_counter() - start
+        net.eval(), config, own_tokenizer, eos, name, device, torch_dtype, time.perf_counter() - start
     )
+
+
+def load_tokenizer(name: str | os.PathLike[str]) -> "Tokenizer":
+    """The tokenizer of the model ``name``: a model folder (weights not needed), a .gguf file, an installed
+    model's short name or a hub id."""
+    from tokenmill.tokenizer import Tokenizer
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return Tokenizer.from_pretrained(path)
+    source = resolve_source(name)
+    assert not isinstance(source, DummySource)
+    found = source.tokenizer()
+    if found is None:
+        raise ModelLoadError(f"tokenizer '{name}': {source.path} carries no tokenizer")
+    return found
+
+
+def _check_vocabulary_fits(tokenizer: "Tokenizer", config: ModelConfig, name: str) -> None:
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer '{name}' has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
+            f"{config.vocab_size}: its ids would run past the embedding"
+        )
 
 
 def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:

@@ -1,4 +1,5 @@
-"""Turns what the user named (nothing, a path, a hub id, a preset) into a checkpoint to load."""
+"""Turns what the user named (nothing, a path, an installed model's short name, a hub id, a preset) into a
+checkpoint to load."""
 
 import os
 from dataclasses import dataclass
@@ -8,6 +9,7 @@ from typing import Any
 from tokenmill.errors import ModelLoadError
 from tokenmill.loading.checkpoint import Checkpoint
 from tokenmill.loading.default_model import default_model_path
+from tokenmill.loading.packaged_models import packaged_model_names, packaged_model_path
 from tokenmill.loading.presets import load_preset, preset_names
 from tokenmill.loading.safetensors_checkpoint import SafetensorsCheckpoint, read_json
 
@@ -41,11 +43,26 @@ def resolve_source(
         if not (path / "config.json").is_file() and len(ggufs) == 1:
             return _gguf(ggufs[0])
         return SafetensorsCheckpoint(path)
+    packaged = packaged_model_path(str(model))
+    if packaged is not None:
+        return _gguf(packaged)
     if _looks_like_hub_id(str(model)):
         from tokenmill.loading.hub import download_from_hub
 
         return SafetensorsCheckpoint(download_from_hub(str(model)))
-    raise ModelLoadError(f"model '{model}' not found: no such file or directory, and not a hub id (org/name)")
+    raise ModelLoadError(_not_found_message(str(model)))
+
+
+def _not_found_message(model: str) -> str:
+    if load_preset(model) is not None:
+        return (
+            f"model '{model}' is a dummy-weight preset (real shapes, random weights): add --load-format "
+            f"dummy, and --tokenizer smollm2 to give it text; installed models: {packaged_model_names()}"
+        )
+    return (
+        f"model '{model}' not found: no such file or directory, not an installed model "
+        f"({packaged_model_names()}) and not a hub id (org/name)"
+    )
 
 
 def _gguf(path: Path) -> Checkpoint:

@@ -13,7 +13,12 @@ import torch
 
 from tokenmill.attention import KVCacheLayer
 from tokenmill.cache.kv_cache_manager import KVCacheManager, create_kv_cache_manager
-from tokenmill.cache.kv_pool import allocate_kv_pool, kv_bytes_per_token, num_blocks_for_budget
+from tokenmill.cache.kv_pool import (
+    allocate_kv_pool,
+    kv_bytes_per_token,
+    num_blocks_for_budget,
+    sized_cpu_kv_budget,
+)
 from tokenmill.config import EngineConfig
 from tokenmill.models import ModelConfig
 from tokenmill.runner.memory_profile import ProfileForward, num_blocks_on_gpu
@@ -58,7 +63,8 @@ def create_kv_cache(
     elif device.type == "cuda":
         num_blocks = num_blocks_on_gpu(config, shape, max_model_len, device, profile_forward)
     else:
-        num_blocks = num_blocks_for_budget(int(kv.cpu_kv_cache_gib * 2**30), *shape)
+        budget = _cpu_budget_bytes(config, per_token, block_size, max_model_len)
+        num_blocks = num_blocks_for_budget(budget, *shape)
     if kv.mode == "contiguous":
         num_blocks = min(num_blocks, config.scheduler.max_running)
     tokens = num_blocks * block_size
@@ -71,3 +77,10 @@ def create_kv_cache(
     )
     manager = create_kv_cache_manager(kv.mode, num_blocks, block_size, bool(kv.prefix_caching))
     return KVCache(manager, layers, per_token, tokens)
+
+
+def _cpu_budget_bytes(config: EngineConfig, bytes_per_token: int, block_size: int, max_model_len: int) -> int:
+    """``cpu_kv_cache_gib`` when set; else sized for ``max_num_seqs`` full-length sequences (capped)."""
+    if config.kv.cpu_kv_cache_gib is not None:
+        return int(config.kv.cpu_kv_cache_gib * 2**30)
+    return sized_cpu_kv_budget(bytes_per_token, block_size, max_model_len, config.scheduler.max_running)

@@ -1,11 +1,11 @@
-"""The FastAPI app: routes, API key check, error handlers, and the engine loop's lifetime.
+"""The FastAPI app: routes, the request gate (API key, JSON Content-Type), error handlers, and the engine
+loop's lifetime.
 
 ``create_app(engine, settings)`` builds the app; the engine loop thread starts with the app's lifespan
 and stops with it. ``ServerThread`` runs uvicorn in a background thread (tests, notebooks);
 ``serve`` runs it in the foreground (``tokenmill serve``).
 """
 
-import hmac
 import logging
 import socket
 import threading
@@ -16,16 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server import chat, completions
 from tokenmill.server.chat import render_chat
-from tokenmill.server.errors import APIError, bad_request, install_error_handlers
+from tokenmill.server.errors import bad_request, install_error_handlers
 from tokenmill.server.generation import ClientDisconnectedError, ServerContext, ServerSettings
 from tokenmill.server.metrics import CONTENT_TYPE
 from tokenmill.server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, as_dict
+from tokenmill.server.request_gate import RequestGate
 from tokenmill.server.responses import client_disconnected_handler, context
 
 logger = logging.getLogger(__name__)
@@ -36,17 +37,9 @@ def default_served_model_name(engine: LLMEngine) -> str:
     return engine.config.model or Path(engine.loaded.source).name.split(".")[0]
 
 
-async def require_api_key(request: Request) -> None:
-    expected = context(request).settings.api_key
-    if expected is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise APIError(HTTPStatus.UNAUTHORIZED, "a valid API key is needed: send 'Authorization: Bearer KEY'")
-
-
-# Everything that uses the model needs the key; /health and /metrics stay open for probes and scrapers.
-_protected = APIRouter(dependencies=[Depends(require_api_key)])
+# Everything that uses the model needs the key, checked by RequestGate before the body is read;
+# /health and /metrics stay open for probes and scrapers.
+_protected = APIRouter()
 _open = APIRouter()
 
 
@@ -125,9 +118,10 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnectedError, client_disconnected_handler)
     app.include_router(_protected)
-    app.include_router(completions.router, dependencies=[Depends(require_api_key)])
-    app.include_router(chat.router, dependencies=[Depends(require_api_key)])
+    app.include_router(completions.router)
+    app.include_router(chat.router)
     app.include_router(_open)
+    app.add_middleware(RequestGate)
     return app
 
 

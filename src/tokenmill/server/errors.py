@@ -21,6 +21,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     503: "overloaded_error",
     504: "timeout_error",

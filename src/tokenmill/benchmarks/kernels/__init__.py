@@ -9,6 +9,7 @@
   projections, the sampler step, the fused model layers, decode attention over split counts).
 """
 
-from tokenmill.benchmarks.kernels.command import add_arguments, main, run
+from tokenmill.benchmarks.lazy import lazy_command
 
 __all__ = ["add_arguments", "main", "run"]
+__getattr__ = lazy_command(__name__)

@@ -29,10 +29,10 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
+from tokenmill.benchmarks.arguments import add_kernels_arguments as add_arguments
 from tokenmill.benchmarks.common import run_as_script
 from tokenmill.benchmarks.kernels.attention import decode_cases, prefill_cases, sweep_cases
 from tokenmill.benchmarks.kernels.cases import format_rows, run_all
@@ -43,33 +43,6 @@ from tokenmill.kernels import triton_available
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 COPY_BYTES = 1 << 30
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device", default="cuda", help="cuda, cuda:1 ... (cpu only with TRITON_INTERPRET=1)"
-    )
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script itself")
-    parser.add_argument("--sweep", action="store_true", help="also time attention tile configurations")
-    parser.add_argument("--only", default=None, help="run only kernels whose name contains this")
-    parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up budget (default 25)")
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring budget (default 100)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
-    parser.add_argument("--no-kernels", action="store_true", help="skip the kernel-by-kernel table")
-    parser.add_argument("--no-sampler", action="store_true", help="skip the sampler step")
-    parser.add_argument("--no-model", action="store_true", help="skip the fused-model check")
-    parser.add_argument("--no-gemv", action="store_true", help="skip the small-batch projections")
-    parser.add_argument(
-        "--gemv-sweep", action="store_true", help="the GEMV over tile configurations (llama-3.2-1b, M=1)"
-    )
-    parser.add_argument(
-        "--decode-sweep", action="store_true", help="decode attention under CUDA graphs over split counts"
-    )
-    parser.add_argument(
-        "--profile-host", action="store_true", help="cProfile of eager decode calls (host time)"
-    )
 
 
 def run(args: argparse.Namespace) -> int:

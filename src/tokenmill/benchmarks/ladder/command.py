@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tokenmill.benchmarks import common
+from tokenmill.benchmarks.arguments import add_ladder_arguments as add_arguments
 from tokenmill.benchmarks.hf_peer import HFPeer, build_hf_peer
 from tokenmill.benchmarks.ladder.report import LadderReport, write_report
 from tokenmill.benchmarks.ladder.rungs import (
@@ -26,7 +27,6 @@ from tokenmill.benchmarks.ladder.rungs import (
     LadderSetup,
     Rung,
     rung_configs,
-    rung_names,
     selected_rungs,
 )
 from tokenmill.benchmarks.measure import (
@@ -44,7 +44,7 @@ from tokenmill.benchmarks.report import (
     header_lines,
     report_dir,
 )
-from tokenmill.benchmarks.workload import Workload, WorkloadSpec, parse_length_range
+from tokenmill.benchmarks.workload import Workload, WorkloadSpec
 from tokenmill.config import PLAIN_PATH, EngineConfig
 from tokenmill.loading import LoadedModel
 
@@ -63,29 +63,6 @@ def measure_hf(peer: HFPeer, workload: Workload, batch_size: int, show_progress:
 
 
 # -- the command ----------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    common.add_model_arguments(parser)
-    group = parser.add_argument_group("workload")
-    group.add_argument("--num-requests", type=int, default=32)
-    group.add_argument("--input-len-range", type=parse_length_range, default=(32, 96), metavar="MIN-MAX")
-    group.add_argument("--output-len-range", type=parse_length_range, default=(16, 96), metavar="MIN-MAX")
-    group.add_argument("--prompt-source", choices=("auto", "text", "random"), default="auto")
-    group = parser.add_argument_group("ladder")
-    group.add_argument(
-        "--batch-size", type=int, default=8, help="static/continuous batch and HF batch (default 8)"
-    )
-    group.add_argument("--block-size", type=int, default=EngineConfig().kv.block_size)
-    group.add_argument("--max-model-len", type=int, default=None, help="default: fit the workload")
-    group.add_argument("--rungs", nargs="+", default=None, metavar="NAME", help=f"subset of: {rung_names()}")
-    group.add_argument(
-        "--report-dir",
-        type=Path,
-        default=None,
-        help="default: ladder-<device> in $TOKENMILL_REPORT_DIR, else in ~/.cache/tokenmill/reports",
-    )
-    group.add_argument("--skip-hf", action="store_true", help="do not run the HF generate peer")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -52,16 +52,15 @@ its own flag (``--prefix-len 1024``, ``--batching-rate 4``; see ``--help``). Exa
 import argparse
 import time
 from collections.abc import Callable
-from dataclasses import fields
-from pathlib import Path
-from typing import Any
 
 from tokenmill.benchmarks import common
+from tokenmill.benchmarks.arguments import ALL_WORKLOADS as ALL
+from tokenmill.benchmarks.arguments import add_scenarios_arguments as add_arguments
 from tokenmill.benchmarks.report import describe_model, detect_hardware, device_kind, report_dir
 from tokenmill.benchmarks.scenarios.features import TOGGLES, config_difference
 from tokenmill.benchmarks.scenarios.report import MeasuredConfig, WorkloadResult, section
 from tokenmill.benchmarks.scenarios.results import finish, header_lines
-from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name, preset_name, sizes_for
+from tokenmill.benchmarks.scenarios.sizes import Sizes, preset_name, sizes_for
 from tokenmill.benchmarks.scenarios.traces import ScenarioRun
 from tokenmill.benchmarks.scenarios.workloads import (
     WORKLOADS,
@@ -70,73 +69,11 @@ from tokenmill.benchmarks.scenarios.workloads import (
     build_scenario,
     token_source,
 )
-from tokenmill.benchmarks.workload import parse_length_range
 from tokenmill.config import EngineConfig
 from tokenmill.loading import LoadedModel
 
-ALL = "all"
-DRIVERS = ("offline", "serve")
 # (config, loaded, scenario, label, show progress) -> the run
 Measure = Callable[[EngineConfig, LoadedModel, Scenario, str, bool], ScenarioRun]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    common.add_model_arguments(parser)
-    group = parser.add_argument_group("scenarios")
-    group.add_argument(
-        "--workload",
-        type=_workload_name,
-        default=ALL,
-        help=f"one of {', '.join(WORKLOADS)}, or all (default)",
-    )
-    group.add_argument("--driver", choices=DRIVERS, default="offline", help="default: offline (no HTTP)")
-    group.add_argument(
-        "--url",
-        action="append",
-        default=None,
-        help="drive this server instead of starting one (implies --driver serve); give it twice, feature "
-        "off then on, to compare two servers; --model is then the model name sent (default: the server's)",
-    )
-    group.add_argument("--api-key", default=None, help="with --url: sent as 'Authorization: Bearer KEY'")
-    group.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (serve driver)")
-    group.add_argument(
-        "--preset", choices=("auto", *PRESETS), default="auto", help="sizes: auto = gpu on CUDA, else cpu"
-    )
-    group.add_argument("--prompt-source", choices=("auto", "text", "random"), default="auto")
-    group.add_argument(
-        "--report-dir",
-        type=Path,
-        default=None,
-        help="default: scenarios-<device>-<driver> in $TOKENMILL_REPORT_DIR or ~/.cache/tokenmill/reports",
-    )
-    common.add_engine_arguments(parser, exclude={f.name for f in fields(Sizes)})  # sizes set those
-    _add_size_arguments(parser)
-
-
-def _workload_name(text: str) -> str:
-    name = text.replace("-", "_")
-    if name not in (*WORKLOADS, ALL):
-        raise argparse.ArgumentTypeError(
-            f"unknown workload '{text}'; choose from {', '.join(WORKLOADS)}, all"
-        )
-    return name
-
-
-def _add_size_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sizes (override the preset)")
-    for size in fields(Sizes):
-        default = getattr(PRESETS["cpu"], size.name)
-        kind: Callable[[str], Any] = parse_length_range if isinstance(default, tuple) else type(default)
-        metavar = "MIN-MAX" if isinstance(default, tuple) else None
-        cpu, gpu = (_size_text(getattr(PRESETS[p], size.name)) for p in ("cpu", "gpu"))
-        help_text = f"{size.metadata['help']} (cpu {cpu}, gpu {gpu})"
-        group.add_argument(
-            f"--{flag_name(size.name)}", type=kind, default=None, metavar=metavar, help=help_text
-        )
-
-
-def _size_text(value: Any) -> str:
-    return f"{value[0]}-{value[1]}" if isinstance(value, tuple) else f"{value:g}"
 
 
 # -- one workload ---------------------------------------------------------------------------------------

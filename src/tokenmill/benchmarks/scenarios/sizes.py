@@ -10,9 +10,10 @@ the preset.
 
 import argparse
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def _knob(default: Any, help_text: str) -> Any:
@@ -98,12 +99,12 @@ GPU = replace(
 PRESETS: dict[str, Sizes] = {"cpu": CPU, "gpu": GPU}
 
 
-def preset_name(args: argparse.Namespace, device: torch.device | None) -> str:
+def preset_name(args: argparse.Namespace, device: "torch.device | None") -> str:
     if args.preset != "auto":
         return str(args.preset)
     return "gpu" if device is not None and device.type == "cuda" else "cpu"
 
 
-def sizes_for(args: argparse.Namespace, device: torch.device | None) -> Sizes:
+def sizes_for(args: argparse.Namespace, device: "torch.device | None") -> Sizes:
     overrides = {f.name: getattr(args, f.name) for f in fields(Sizes) if getattr(args, f.name) is not None}
     return replace(PRESETS[preset_name(args, device)], **overrides)

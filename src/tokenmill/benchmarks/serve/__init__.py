@@ -2,6 +2,7 @@
 
 The description and options are in :mod:`tokenmill.benchmarks.serve.command`."""
 
-from tokenmill.benchmarks.serve.command import add_arguments, main, run
+from tokenmill.benchmarks.lazy import lazy_command
 
 __all__ = ["add_arguments", "main", "run"]
+__getattr__ = lazy_command(__name__)

@@ -21,15 +21,14 @@ line and plot are ``report``; the options and the run are ``command``.
 import argparse
 import asyncio
 import math
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from tokenmill.benchmarks.arguments import add_serve_arguments as add_arguments
 from tokenmill.benchmarks.report import client_machine, provenance
 from tokenmill.benchmarks.serve.client import (
     LevelResult,
@@ -42,40 +41,6 @@ from tokenmill.benchmarks.serve.client import (
     synthetic_prompts,
 )
 from tokenmill.benchmarks.serve.report import level_table, scaling_line, write_report
-
-_DEFAULT_CONCURRENCY = "1,8,32,128"
-
-
-def _levels(text: str) -> list[int]:
-    try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got '{text}'")
-    return levels
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--url", default="http://127.0.0.1:8000", help="server base URL (with or without /v1)"
-    )
-    parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    parser.add_argument("--concurrency", type=_levels, default=_levels(_DEFAULT_CONCURRENCY))
-    parser.add_argument(
-        "--request-rate", type=float, default=math.inf, help="requests/s (default: all at once)"
-    )
-    parser.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level")
-    parser.add_argument("--input-len", type=int, default=64, help="words per synthetic prompt (~tokens)")
-    parser.add_argument("--output-len", type=int, default=64, help="max_tokens of each request")
-    parser.add_argument("--dataset", type=Path, default=None, help="JSON lines with a 'prompt' each")
-    parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=1, help="short requests sent before measuring")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--report-dir", type=Path, default=None, help="write serve.json / .md / .png here")
 
 
 def _check_args(args: argparse.Namespace) -> None:

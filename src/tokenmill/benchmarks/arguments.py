@@ -1,0 +1,277 @@
+"""The flags of every benchmark, without torch: ``tokenmill bench ladder --rungs foo`` and every other bad
+flag fail at once, before torch, transformers or a model is loaded. Each benchmark's ``add_arguments`` is
+the function here; its module holds the run."""
+
+import argparse
+import math
+import os
+from collections.abc import Callable, Collection
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from tokenmill.benchmarks.ladder.rungs import RUNGS
+from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
+from tokenmill.benchmarks.scenarios.workloads import WORKLOADS
+from tokenmill.benchmarks.workload import DATASETS, parse_length_range
+from tokenmill.config import EngineConfig
+from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
+from tokenmill.config_help import CHOICES
+
+# -- shared ----------------------------------------------------------------------------------------------
+
+PROMPT_SOURCES = ("auto", "text", "random")
+# Fields every benchmark sets its own way: from --model / --device / ... and the workload's length.
+SET_BY_BENCHMARK = frozenset(
+    {"model", "tokenizer", "device", "dtype", "load_format", "seed", "max_model_len"}
+)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="model folder, .gguf file, short name, hub id or preset (default: smollm2)",
+    )
+    group.add_argument("--tokenizer", default=None, help="take the tokenizer of this model instead")
+    group.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default: auto)")
+    group.add_argument("--dtype", default="auto", choices=CHOICES["dtype"], help="default: auto")
+    group.add_argument("--load-format", default="auto", choices=CHOICES["load_format"], help="default: auto")
+    group.add_argument("--seed", type=int, default=0, help="workload and engine seed (default: 0)")
+    group.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's)"
+    )
+    group.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
+    """EngineConfig toggles (every field but the model's and ``exclude``); options left unset keep
+    EngineConfig's defaults."""
+    group = parser.add_argument_group("tokenmill engine")
+    group.add_argument("--max-model-len", type=int, default=None, help="default: fit the workload")
+    add_engine_config_arguments(group, exclude=SET_BY_BENCHMARK | set(exclude))
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return engine_options_from(args, exclude=SET_BY_BENCHMARK)
+
+
+def _report_dir_argument(group: Any, default_name: str) -> None:
+    group.add_argument(
+        "--report-dir",
+        type=Path,
+        default=None,
+        help=f"default: {default_name} in $TOKENMILL_REPORT_DIR, else in ~/.cache/tokenmill/reports",
+    )
+
+
+# -- one function per benchmark ----------------------------------------------------------------------------
+
+
+def add_ladder_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    group = parser.add_argument_group("workload")
+    group.add_argument("--num-requests", type=int, default=32)
+    group.add_argument("--input-len-range", type=parse_length_range, default=(32, 96), metavar="MIN-MAX")
+    group.add_argument("--output-len-range", type=parse_length_range, default=(16, 96), metavar="MIN-MAX")
+    group.add_argument("--prompt-source", choices=PROMPT_SOURCES, default="auto")
+    group = parser.add_argument_group("ladder")
+    group.add_argument(
+        "--batch-size", type=int, default=8, help="static/continuous batch and HF batch (default 8)"
+    )
+    group.add_argument("--block-size", type=int, default=EngineConfig().kv.block_size)
+    group.add_argument("--max-model-len", type=int, default=None, help="default: fit the workload")
+    names = [rung.name for rung in RUNGS]
+    group.add_argument("--rungs", nargs="+", default=None, choices=names, metavar="NAME", help="a subset")
+    _report_dir_argument(group, "ladder-<device>")
+    group.add_argument("--skip-hf", action="store_true", help="do not run the HF generate peer")
+
+
+def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_engine_arguments(parser)
+    group = parser.add_argument_group("latency")
+    group.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
+    group.add_argument("--output-len", type=int, default=64, help="output tokens, EOS ignored (default 64)")
+    group.add_argument("--iters", type=int, default=5, help="measured runs, after one warm-up (default 5)")
+    group.add_argument("--skip-hf", action="store_true", help="do not run the HF generate peer")
+    group.add_argument(
+        "--report-dir", type=Path, default=None, help="also write what is printed to latency.md there"
+    )
+
+
+def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_engine_arguments(parser)
+    group = parser.add_argument_group("workload")
+    group.add_argument("--dataset", choices=sorted(DATASETS), default=None, help="a preset workload")
+    group.add_argument("--num-requests", type=int, default=32)
+    group.add_argument("--input-len", type=int, default=64, help="fixed prompt length (default 64)")
+    group.add_argument("--output-len", type=int, default=64, help="fixed output length (default 64)")
+    group.add_argument(
+        "--random-range",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        default=None,
+        help="input and output lengths uniform in [LO, HI] instead of fixed",
+    )
+    group.add_argument("--ignore-eos", action="store_true", help="always generate the full output length")
+    group.add_argument("--prompt-source", choices=PROMPT_SOURCES, default="auto")
+    group = parser.add_argument_group("comparison")
+    group.add_argument("--hf-batch-size", type=int, default=8, help="HF generate static batch (default 8)")
+    group.add_argument("--hf-continuous", action="store_true", help="also run HF continuous batching")
+    group.add_argument("--skip-hf", action="store_true", help="do not run the HF peer")
+    group.add_argument(
+        "--verify-requests", type=int, default=4, help="requests re-run alone to check (0: none)"
+    )
+    group.add_argument("--report-dir", type=Path, default=None, help="also write throughput.md/.json here")
+
+
+def add_load_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="folder, .gguf, short name, hub id, or a preset with --load-format dummy",
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=CHOICES["dtype"])
+    parser.add_argument("--load-format", default="auto", choices=CHOICES["load_format"])
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+DEFAULT_CONCURRENCY = "1,8,32,128"
+
+
+def concurrency_levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got '{text}'")
+    return levels
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="server base URL (with or without /v1)"
+    )
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    parser.add_argument(
+        "--concurrency", type=concurrency_levels, default=concurrency_levels(DEFAULT_CONCURRENCY)
+    )
+    parser.add_argument(
+        "--request-rate", type=float, default=math.inf, help="requests/s (default: all at once)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level")
+    parser.add_argument("--input-len", type=int, default=64, help="words per synthetic prompt (~tokens)")
+    parser.add_argument("--output-len", type=int, default=64, help="max_tokens of each request")
+    parser.add_argument("--dataset", type=Path, default=None, help="JSON lines with a 'prompt' each")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=1, help="short requests sent before measuring")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--report-dir", type=Path, default=None, help="write serve.json / .md / .png here")
+
+
+KERNEL_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_kernels_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", default="cuda", help="cuda, cuda:1 ... (cpu only with TRITON_INTERPRET=1)"
+    )
+    parser.add_argument("--dtype", choices=KERNEL_DTYPES, default="bfloat16")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script itself")
+    parser.add_argument("--sweep", action="store_true", help="also time attention tile configurations")
+    parser.add_argument("--only", default=None, help="run only kernels whose name contains this")
+    parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up budget (default 25)")
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring budget (default 100)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the kernel-by-kernel table")
+    parser.add_argument("--no-sampler", action="store_true", help="skip the sampler step")
+    parser.add_argument("--no-model", action="store_true", help="skip the fused-model check")
+    parser.add_argument("--no-gemv", action="store_true", help="skip the small-batch projections")
+    parser.add_argument(
+        "--gemv-sweep", action="store_true", help="the GEMV over tile configurations (llama-3.2-1b, M=1)"
+    )
+    parser.add_argument(
+        "--decode-sweep", action="store_true", help="decode attention under CUDA graphs over split counts"
+    )
+    parser.add_argument(
+        "--profile-host", action="store_true", help="cProfile of eager decode calls (host time)"
+    )
+
+
+ALL_WORKLOADS = "all"
+SCENARIO_DRIVERS = ("offline", "serve")
+
+
+def add_scenarios_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    group = parser.add_argument_group("scenarios")
+    group.add_argument(
+        "--workload",
+        type=_workload_name,
+        default=ALL_WORKLOADS,
+        help=f"one of {', '.join(WORKLOADS)}, or all (default)",
+    )
+    group.add_argument("--driver", choices=SCENARIO_DRIVERS, default="offline", help="default: offline")
+    group.add_argument(
+        "--url",
+        action="append",
+        default=None,
+        help="drive this server instead of starting one (implies --driver serve); give it twice, feature "
+        "off then on, to compare two servers; --model is then the model name sent (default: the server's)",
+    )
+    group.add_argument("--api-key", default=None, help="with --url: sent as 'Authorization: Bearer KEY'")
+    group.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (serve driver)")
+    group.add_argument(
+        "--preset", choices=("auto", *PRESETS), default="auto", help="sizes: auto = gpu on CUDA, else cpu"
+    )
+    group.add_argument("--prompt-source", choices=PROMPT_SOURCES, default="auto")
+    _report_dir_argument(group, "scenarios-<device>-<driver>")
+    add_engine_arguments(parser, exclude={f.name for f in fields(Sizes)})  # sizes set those
+    _add_size_arguments(parser)
+
+
+def _workload_name(text: str) -> str:
+    name = text.replace("-", "_")
+    if name not in (*WORKLOADS, ALL_WORKLOADS):
+        raise argparse.ArgumentTypeError(
+            f"unknown workload '{text}'; choose from {', '.join(WORKLOADS)}, all"
+        )
+    return name
+
+
+def _add_size_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sizes (override the preset)")
+    for size in fields(Sizes):
+        default = getattr(PRESETS["cpu"], size.name)
+        kind: Callable[[str], Any] = parse_length_range if isinstance(default, tuple) else type(default)
+        metavar = "MIN-MAX" if isinstance(default, tuple) else None
+        cpu, gpu = (_size_text(getattr(PRESETS[p], size.name)) for p in ("cpu", "gpu"))
+        help_text = f"{size.metadata['help']} (cpu {cpu}, gpu {gpu})"
+        group.add_argument(
+            f"--{flag_name(size.name)}", type=kind, default=None, metavar=metavar, help=help_text
+        )
+
+
+def _size_text(value: Any) -> str:
+    return f"{value[0]}-{value[1]}" if isinstance(value, tuple) else f"{value:g}"
+
+
+BENCHMARK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "ladder": add_ladder_arguments,
+    "latency": add_latency_arguments,
+    "throughput": add_throughput_arguments,
+    "load-memory": add_load_memory_arguments,
+    "serve": add_serve_arguments,
+    "kernels": add_kernels_arguments,
+    "scenarios": add_scenarios_arguments,
+}

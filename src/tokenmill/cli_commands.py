@@ -1,0 +1,84 @@
+"""What ``tokenmill generate``, ``chat`` and ``serve`` do once their flags are known to be good (see
+``tokenmill.cli``): this is where torch, transformers and the model are loaded."""
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.errors import TokenmillError
+from tokenmill.sampling_params import SamplingParams
+
+
+def stream(engine: LLMEngine, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> str:
+    """Run one request, printing its text as it is generated (its token ids, for a model without a
+    tokenizer); returns the whole text."""
+    engine.add_request(request_id, prompt, params)
+    pieces = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if engine.tokenizer is None:
+                print("".join(f" {token}" for token in delta.new_token_ids), end="", flush=True)
+            else:
+                print(delta.new_text, end="", flush=True)
+            pieces.append(delta.new_text)
+    print()
+    return "".join(pieces)
+
+
+def run_generate(config: EngineConfig, params: SamplingParams, prompt: str | list[int]) -> int:
+    stream(LLMEngine(config), "generate", prompt, params)
+    return 0
+
+
+def run_chat(config: EngineConfig, params: SamplingParams, system: str | None) -> int:
+    """A conversation read line by line from stdin. At a terminal it prompts (``you>``, ``assistant>``)
+    and explains itself; with piped input it prints the replies alone, one after the other."""
+    engine = LLMEngine(config)
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise TokenmillError("this model has no tokenizer, so it cannot chat (add --tokenizer)")
+    interactive = sys.stdin.isatty()
+    first: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    history = list(first)
+    if interactive:
+        print(
+            "tokenmill chat: type a message; /reset clears the history, /exit (or Ctrl-D) quits.",
+            file=sys.stderr,
+        )
+    for turn in range(sys.maxsize):
+        try:
+            line = input("you> " if interactive else "").strip()
+        except EOFError:
+            break
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history = list(first)
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        prompt_ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        if interactive:
+            print("assistant> ", end="", flush=True)
+        reply = stream(engine, f"chat-{turn}", prompt_ids, params)
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    from tokenmill.server import ServerSettings, create_app, default_served_model_name, serve
+
+    engine = LLMEngine(config)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or default_served_model_name(engine),
+        api_key=args.api_key or None,
+        max_waiting=args.max_waiting,
+        request_timeout_s=args.request_timeout,
+    )
+    url = f"http://{args.host}:{args.port}"
+    print(f"tokenmill: serving '{settings.served_model_name}' on {url}", file=sys.stderr)
+    serve(create_app(engine, settings), args.host, args.port, args.log_level)
+    return 0

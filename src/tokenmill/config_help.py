@@ -1,0 +1,78 @@
+"""What each ``EngineConfig`` setting does, by its flat name: the help of its command-line flag.
+
+Kept apart from ``config.py`` so the dataclasses stay short; ``config_flags`` adds the choices and the
+default to each text. A setting without a line here is a test failure (tests/test_cli.py), so a new
+toggle cannot ship with an empty ``--help``. ``CHOICES`` lists the accepted values of settings typed as
+plain strings, so the parser refuses a bad one before anything heavy is imported.
+"""
+
+OPTION_HELP: dict[str, str] = {
+    # the model
+    "model": "model to load: an installed short name (smollm2, gemma3-270m), a Hugging Face folder, a "
+    ".gguf file, a hub id, or with --load-format dummy a preset name (default: smollm2)",
+    "tokenizer": "take the tokenizer (and chat template) from this model instead: a short name, folder, "
+    ".gguf file or hub id; lets a dummy-weight model read and write text",
+    "device": "cpu, cuda or cuda:N; auto picks cuda when it is available",
+    "dtype": "weight and activation dtype; auto is bfloat16 on cuda, float32 on cpu",
+    "load_format": "dummy: random weights of the named preset or config.json (real shapes, for benchmarks)",
+    "seed": "seed of the dummy weights and of the engine's default sampling generator",
+    "max_model_len": "longest sequence (prompt + output) in tokens; unset: the model's limit, at most 8192",
+    "debug_checks": "check the block allocator and the prefix tree after every step (slow)",
+    "warm_start": "run synthetic requests through every kernel at start-up, so none compiles inside a "
+    "request; unset: on where Triton kernels compile (CUDA)",
+    # the KV cache
+    "kv_cache": "none recomputes everything every step; contiguous reserves max_model_len slots per "
+    "sequence; paged takes blocks from a shared pool as sequences grow",
+    "block_size": "tokens per KV block (paged)",
+    "num_kv_blocks": "KV pool size in blocks; unset: sized from the GPU's free memory (cuda) or from "
+    "--cpu-kv-cache-gib (cpu)",
+    "gpu_memory_utilization": "share of the GPU's memory that weights, activations and the KV pool may "
+    "take together",
+    "cpu_kv_cache_gib": "KV pool size on cpu, in GiB; unset: room for max_num_seqs sequences of "
+    "max_model_len tokens, at most 2 GiB",
+    "prefix_caching": "reuse the KV blocks of prompt prefixes seen before (radix tree, LRU); paged only; "
+    "unset: on with paged KV",
+    # the scheduler
+    "batching": "sequential runs one request at a time; static admits a batch only when the last one has "
+    "finished; continuous admits and retires requests at every step",
+    "scheduling_policy": "fcfs serves in arrival order; priority serves the lowest request priority first "
+    "and lets it preempt a worse running request",
+    "max_num_seqs": "sequences running at once; unset: 256 on a GPU, 64 on cpu",
+    "max_num_batched_tokens": "tokens one step may compute (prompt chunks and decodes together); unset: "
+    "8192 on a GPU, 2048 on cpu (at least max_model_len without chunked prefill)",
+    "chunked_prefill": "split long prompts across steps, sharing each step with running decodes; unset: "
+    "on with a KV cache",
+    "prefill_chunk_size": "most prompt tokens of one request per step; unset: the step budget",
+    "admission": "paged KV: fit admits when the new tokens fit (growth may preempt); headroom keeps "
+    "--admission-headroom of every running request's remaining output free; lookahead keeps what the "
+    "busiest future step needs, so no request with a known max_tokens is preempted",
+    "admission_headroom": "with --admission headroom: the share (0-1) of remaining output kept free",
+    # the kernels
+    "attention_backend": "torch: reference PyTorch attention (any device); triton: paged Triton kernels "
+    "(a CUDA device, or TRITON_INTERPRET=1); auto: triton with CUDA + Triton, else torch",
+    "prepacked_cpu_linear": "float32 projections on cpu through oneDNN, each weight reordered once at "
+    "start (a second copy of the weights in memory)",
+    "fused_rms_norm": "Triton RMSNorm with the residual add fused in; unset: on with CUDA + Triton",
+    "fused_rotary": "Triton rotary embedding of q and k in place; unset: on with CUDA + Triton",
+    "fused_activation": "Triton SwiGLU / GeGLU; unset: on with CUDA + Triton",
+    "fused_gemv": "batch-1 projections as Triton GEMVs with the norm and activation fused into their "
+    "loads; unset: on with CUDA + Triton",
+    "fused_decode_rotary_kv": "Triton attention: decode steps rotate q and k and store the new K/V inside "
+    "the decode kernel; unset: on with CUDA + Triton",
+    "fused_sampling": "temperature, top-k / min-p and the draw in one Triton pass; unset: on with CUDA + "
+    "Triton",
+    "programmatic_launch": "Hopper and later: launch the Triton kernels programmatically dependent (PDL); "
+    "unset: on where supported",
+    # CUDA graphs
+    "cuda_graphs": "replay pure-decode steps from captured CUDA graphs (cuda + triton attention only); "
+    "unset: on with triton attention on cuda",
+    "cuda_graph_max_batch_size": "largest decode batch captured as a graph (at most max_num_seqs)",
+    "cuda_graph_logits": "decode graphs of up to 16 rows also compute the logits and their argmax",
+    "overlap_decode": "queue the next decode step before this one's tokens are read back (needs "
+    "--cuda-graphs); unset: on with CUDA graphs",
+}
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "load_format": ("auto", "dummy"),
+}
