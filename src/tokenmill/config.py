@@ -14,6 +14,7 @@ BatchingMode = Literal["sequential", "static", "continuous"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 AdmissionRule = Literal["fit", "headroom", "lookahead"]
 AttentionBackendName = Literal["torch", "triton"]
+StructuredOutputBackendName = Literal["llguidance", "xgrammar"]
 FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_rms_norm",
     "fused_rotary",
@@ -191,6 +192,9 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     debug_checks: bool = False  # check allocator + prefix-tree integrity after every step
+    # The grammar engine of structured outputs (JSON schema, regex, choice, grammar): llguidance, or
+    # xgrammar (pip install 'tokenmill[xgrammar]'). Built at the first constrained request.
+    structured_output_backend: StructuredOutputBackendName = "llguidance"
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
@@ -198,6 +202,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require_at_least_one("max_model_len", self.max_model_len)
+        _require_choice(
+            "structured_output_backend", self.structured_output_backend, ("llguidance", "xgrammar")
+        )
         _require(
             not (self.scheduler.chunked_prefill and self.kv.mode == "none"),
             "chunked_prefill",
