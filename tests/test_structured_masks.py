@@ -12,6 +12,7 @@ import torch
 from tokenmill.structured import GrammarCompileError, StructuredOutputsParams, Vocabulary
 from tokenmill.structured.backend import GrammarBackend, GrammarMatcher
 from tokenmill.structured.manager import StructuredOutputs, create_backend
+from tokenmill.structured.params import MAX_JSON_WHITESPACE
 
 BACKENDS = ["llguidance", "xgrammar"]
 EXTRA_IDS = 40  # model vocabulary rows past the tokenizer's
@@ -166,3 +167,23 @@ def test_the_manager_compiles_once_and_builds_its_backend_lazily(smollm2) -> Non
         no_tokenizer.compile(params)
     with pytest.raises(ValueError, match="unknown structured output backend 'outlines'"):
         StructuredOutputs("outlines", smollm2.tokenizer, 49152, [2], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_json_whitespace_is_bounded_or_off(
+    backend: GrammarBackend, token_texts: list[str], smollm2, compact: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """Up to MAX_JSON_WHITESPACE characters between two JSON tokens (none with disable_any_whitespace):
+    a small model cannot pad its output with whitespace until max_tokens."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = StructuredOutputsParams(json=schema, disable_any_whitespace=compact)
+    matcher = backend.compile(params.spec()).matcher()
+    space = smollm2.tokenizer.encode(" ", add_special_tokens=False)
+    assert (
+        matcher.accept_token(smollm2.tokenizer.encode("{", add_special_tokens=False)[0]) and len(space) == 1
+    )
+    for _ in range(0 if compact else MAX_JSON_WHITESPACE):
+        assert matcher.accept_token(space[0])
+    mask = allowed(backend, matcher)
+    assert mask and not any(token_texts[t][:1].isspace() for t in mask)
+    assert all(token_texts[t].startswith('"') for t in mask)

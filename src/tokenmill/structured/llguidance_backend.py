@@ -23,7 +23,7 @@ from tokenmill.structured.backend import (
     GrammarMatcher,
     Vocabulary,
 )
-from tokenmill.structured.params import GrammarSpec, choice_lark
+from tokenmill.structured.params import MAX_JSON_WHITESPACE, GrammarSpec, choice_lark
 
 _SILENT = 0  # llguidance log level: errors come back through is_error / get_error
 
@@ -94,6 +94,8 @@ def _grammar_text(spec: GrammarSpec) -> str:
     """llguidance's grammar for ``spec``; raises where the text cannot even be read."""
     if spec.kind == "json":
         options: Any = {"whitespace_flexible": spec.any_whitespace}
+        if spec.any_whitespace:
+            options["whitespace_pattern"] = f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"
         return str(llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=options))
     if spec.kind == "regex":
         return str(llguidance.LLMatcher.grammar_from_regex(spec.source))

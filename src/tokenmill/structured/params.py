@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 GrammarKind = Literal["json", "regex", "choice", "grammar"]
 ANY_JSON_OBJECT = '{"type": "object"}'
+# JSON whitespace between two tokens: any mix of space, tab and newlines, up to this many characters (deep
+# pretty-printing included). Unbounded, a small model can emit whitespace until max_tokens.
+MAX_JSON_WHITESPACE = 20
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -23,7 +26,7 @@ class GrammarSpec:
 
     kind: GrammarKind
     source: str
-    any_whitespace: bool = True  # JSON: whitespace between tokens as the model likes, or none
+    any_whitespace: bool = True  # JSON: whitespace between tokens as the model likes (bounded), or none
     field: str = field(default="structured_outputs", compare=False)
 
     @property
@@ -46,7 +49,7 @@ def _fail(name: str, requirement: str, value: object) -> None:
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Constrain a request's output; set exactly one of the constraints. ``disable_any_whitespace``: JSON
-    with no whitespace between its tokens (else any amount, as the model likes)."""
+    with no whitespace between its tokens (else any, up to ``MAX_JSON_WHITESPACE`` characters a gap)."""
 
     json: dict[str, Any] | str | bool | None = None
     regex: str | None = None

@@ -4,9 +4,16 @@ It precompiles each grammar against the whole vocabulary (slower compiles that g
 a compile cache of its own) and then computes masks fastest, filling a batch's rows from its own thread
 pool (``BatchGrammarMatcher``). Its matchers terminate only on EOS: once a grammar is complete the mask
 allows EOS alone, which the sequence then samples and ends on.
+
+xgrammar 0.2.8 compiles ``allOf`` into a grammar that lets invalid JSON through (wrong types, or any
+value at all), so schemas using it are refused here with a message that points to llguidance, rather
+than served with outputs that do not validate. Its regex digit and word classes are ASCII-only, where
+llguidance's (like Python's ``re``) also take other Unicode digits and letters.
 """
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import xgrammar
@@ -18,9 +25,11 @@ from tokenmill.structured.backend import (
     GrammarMatcher,
     Vocabulary,
 )
-from tokenmill.structured.params import GrammarSpec, choice_lark
+from tokenmill.structured.params import MAX_JSON_WHITESPACE, GrammarSpec, choice_lark
 
 _COMPILE_THREADS = 2
+UNSUPPORTED_KEYWORDS = frozenset({"allOf"})  # compiled, but not enforced (see above)
+_NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -67,7 +76,16 @@ class XGrammarBackend(GrammarBackend):
     def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
         compiler = self._compiler
         if spec.kind == "json":
-            return compiler.compile_json_schema(spec.source, any_whitespace=spec.any_whitespace)
+            if any(key in UNSUPPORTED_KEYWORDS for key in _keywords(json.loads(spec.source))):
+                raise ValueError(
+                    f"the xgrammar backend does not enforce {sorted(UNSUPPORTED_KEYWORDS)} correctly; "
+                    "serve this schema with structured_output_backend='llguidance'"
+                )
+            return compiler.compile_json_schema(
+                spec.source,
+                any_whitespace=spec.any_whitespace,
+                max_whitespace_cnt=MAX_JSON_WHITESPACE if spec.any_whitespace else None,
+            )
         if spec.kind == "regex":
             return compiler.compile_regex(spec.source)
         if spec.kind == "choice":
@@ -89,3 +107,19 @@ def _inner(matcher: GrammarMatcher) -> xgrammar.GrammarMatcher:
     if not isinstance(matcher, XGrammarMatcher):
         raise TypeError(f"an xgrammar backend cannot fill the mask of a {type(matcher).__name__}")
     return matcher.inner
+
+
+def _keywords(schema: Any) -> Iterator[str]:
+    """Every keyword of a JSON schema and its subschemas (property and definition names are not)."""
+    if isinstance(schema, list):
+        for item in schema:
+            yield from _keywords(item)
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        yield key
+        if key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
+            for subschema in value.values():
+                yield from _keywords(subschema)
+        else:
+            yield from _keywords(value)
