@@ -26,6 +26,7 @@ BENCHMARKS = {
     "serve": "tokenmill.benchmarks.serve",
     "kernels": "tokenmill.benchmarks.kernels",
     "scenarios": "tokenmill.benchmarks.scenarios",
+    "structured": "tokenmill.benchmarks.structured",
 }
 
 

@@ -1,0 +1,7 @@
+"""What structured outputs cost per grammar backend: host mask times and end-to-end tokens/s.
+
+The description and options are in :mod:`tokenmill.benchmarks.structured.command`."""
+
+from tokenmill.benchmarks.structured.command import add_arguments, main, run
+
+__all__ = ["add_arguments", "main", "run"]
