@@ -187,3 +187,15 @@ def test_json_whitespace_is_bounded_or_off(
     mask = allowed(backend, matcher)
     assert mask and not any(token_texts[t][:1].isspace() for t in mask)
     assert all(token_texts[t].startswith('"') for t in mask)
+
+
+def test_compact_json_has_no_whitespace_even_after_separators(
+    backend: GrammarBackend, token_texts: list[str], smollm2
+) -> None:  # type: ignore[no-untyped-def]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    params = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    matcher = backend.compile(params.spec()).matcher()
+    for token in smollm2.tokenizer.encode('{"a":', add_special_tokens=False):
+        assert matcher.accept_token(token)
+    mask = allowed(backend, matcher)
+    assert mask and not any(token_texts[t][:1].isspace() for t in mask)  # the value follows ':' at once

@@ -9,7 +9,7 @@ import torch
 
 from tokenmill import SamplingParams, StructuredOutputsParams
 from tokenmill.config import EngineConfig
-from tokenmill.structured.bitmask import apply_token_bitmask
+from tokenmill.structured.bitmask import apply_by_shifts, apply_token_bitmask
 from tokenmill.structured.params import ANY_JSON_OBJECT, GrammarSpec
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
@@ -94,6 +94,7 @@ def test_bitmask_masks_exactly_the_clear_bits(vocab: int) -> None:
     expected = _masked_by_loop(logits, bitmask)
     masked = apply_token_bitmask(logits, bitmask)
     assert torch.equal(masked, expected)
+    assert torch.equal(apply_by_shifts(logits, bitmask), expected)  # the path of non-CPU devices
     assert torch.equal(masked[0], logits[0])  # the all-ones row is untouched
     assert masked.data_ptr() != logits.data_ptr()
 

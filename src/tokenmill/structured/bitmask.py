@@ -7,7 +7,9 @@ buffers take turns, so a buffer is refilled only once its last copy has run.
 """
 
 import math
+import sys
 
+import numpy as np
 import torch
 
 from tokenmill.structured.backend import GrammarBackend, GrammarMatcher
@@ -15,10 +17,23 @@ from tokenmill.structured.backend import GrammarBackend, GrammarMatcher
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``logits`` ``[B, V]`` with every token whose bit is clear in ``bitmask`` ``[>= B, >= ceil(V/32)]``
-    set to -inf (a new tensor). The PyTorch reference of ``tokenmill.kernels.token_bitmask``."""
+    set to -inf (a new tensor). The PyTorch reference of ``tokenmill.kernels.token_bitmask``; on the CPU
+    the bits are unpacked by numpy (a quarter of the temporary memory of shifting int32 words)."""
+    rows, vocab = logits.shape
+    words = bitmask[:rows, : -(-vocab // 32)]
+    if logits.device.type == "cpu" and words.device.type == "cpu" and sys.byteorder == "little":
+        packed = (
+            words.contiguous().numpy().view(np.uint8)
+        )  # little-endian: token t is bit t % 8 of byte t // 8
+        allowed = torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")).view(torch.bool)
+        return torch.where(allowed[:, :vocab], logits, torch.tensor(-math.inf, dtype=logits.dtype))
+    return apply_by_shifts(logits, words)
+
+
+def apply_by_shifts(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_token_bitmask` in PyTorch ops on any device: each word shifted by 0..31."""
     rows, vocab = logits.shape
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    words = bitmask[:rows, : -(-vocab // 32)]
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(rows, -1)[:, :vocab]
     return logits.masked_fill(allowed == 0, -math.inf)
 

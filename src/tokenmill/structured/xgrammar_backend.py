@@ -85,6 +85,7 @@ class XGrammarBackend(GrammarBackend):
                 spec.source,
                 any_whitespace=spec.any_whitespace,
                 max_whitespace_cnt=MAX_JSON_WHITESPACE if spec.any_whitespace else None,
+                separators=None if spec.any_whitespace else (",", ":"),  # its default puts spaces after them
             )
         if spec.kind == "regex":
             return compiler.compile_regex(spec.source)
