@@ -40,7 +40,7 @@ def test_bench_structured_reports_masks_checks_and_runs(tmp_path: Path) -> None:
 
 
 def test_a_model_without_a_tokenizer_borrows_the_embedded_one(smollm2) -> None:  # type: ignore[no-untyped-def]
-    bare = dataclasses.replace(smollm2, tokenizer=None, eos_token_ids=())
+    bare = dataclasses.replace(smollm2, tokenizer=None, eos_token_ids=(128001, 128009))  # as a dummy Llama's
     loaded = command.with_tokenizer(bare, None)
     assert loaded.tokenizer is not None and loaded.tokenizer.vocab_size == 49152
     assert loaded.eos_token_ids == (loaded.tokenizer.eos_token_id,)

@@ -165,6 +165,9 @@ def test_the_manager_compiles_once_and_builds_its_backend_lazily(smollm2) -> Non
     no_tokenizer = StructuredOutputs("llguidance", None, 49152, [2], torch.device("cpu"))
     with pytest.raises(ValueError, match="need the model's tokenizer"):
         no_tokenizer.compile(params)
+    foreign_eos = StructuredOutputs("llguidance", smollm2.tokenizer, 128256, [128001], torch.device("cpu"))
+    with pytest.raises(ValueError, match="need an EOS id the tokenizer knows"):
+        foreign_eos.compile(params)
     with pytest.raises(ValueError, match="unknown structured output backend 'outlines'"):
         StructuredOutputs("outlines", smollm2.tokenizer, 49152, [2], torch.device("cpu"))
 

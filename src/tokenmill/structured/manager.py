@@ -74,7 +74,13 @@ class StructuredOutputs:
                     raise StructuredOutputError(
                         "structured outputs need the model's tokenizer, and this model has none"
                     )
-                vocabulary = Vocabulary(self.tokenizer.hf_tokenizer, self.vocab_size, self.eos_token_ids)
+                eos = tuple(t for t in self.eos_token_ids if t < self.tokenizer.vocab_size)
+                if not eos:
+                    raise StructuredOutputError(
+                        f"structured outputs need an EOS id the tokenizer knows; {list(self.eos_token_ids)} "
+                        f"are outside its {self.tokenizer.vocab_size} ids"
+                    )
+                vocabulary = Vocabulary(self.tokenizer.hf_tokenizer, self.vocab_size, eos)
                 self._backend = create_backend(self.backend_name, vocabulary)
             return self._backend
 

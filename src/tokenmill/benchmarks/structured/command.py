@@ -107,8 +107,11 @@ def with_tokenizer(loaded: LoadedModel, tokenizer_model: str | None) -> LoadedMo
         raise ValueError(
             f"the tokenizer's {tokenizer.vocab_size} ids exceed the model's {loaded.config.vocab_size}"
         )
-    eos = loaded.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
-    return dataclasses.replace(loaded, tokenizer=tokenizer, eos_token_ids=tuple(eos))
+    # A dummy model's EOS ids are its own vocabulary's: the borrowed tokenizer knows only its own EOS.
+    eos = tuple(t for t in loaded.eos_token_ids if t < tokenizer.vocab_size)
+    if not eos and tokenizer.eos_token_id is not None:
+        eos = (tokenizer.eos_token_id,)
+    return dataclasses.replace(loaded, tokenizer=tokenizer, eos_token_ids=eos)
 
 
 def end_to_end(
