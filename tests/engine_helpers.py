@@ -1,6 +1,8 @@
 """Building engines over an already-loaded model, so tests do not reload weights per config."""
 
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -33,3 +35,26 @@ def run_to_completion(
         for delta in engine.step():
             outputs[delta.request_id].apply(delta)
     return outputs
+
+
+T = TypeVar("T")
+
+
+def in_thread(function: Callable[[], T]) -> T:
+    """``function()`` run in a fresh thread: with the CPU oversubscribed (other jobs on the machine), torch's
+    OpenMP runs the model many times slower in pytest's main thread than in any other."""
+    results: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(function())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return results[0]

@@ -13,14 +13,23 @@ if TYPE_CHECKING:
     from tokenmill.llm import LLM
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.sampling_params import SamplingParams
+    from tokenmill.structured.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 _LAZY = {
     "LLM": "tokenmill.llm",
     "CompletionOutput": "tokenmill.outputs",
     "RequestOutput": "tokenmill.outputs",
     "SamplingParams": "tokenmill.sampling_params",
+    "StructuredOutputsParams": "tokenmill.structured.params",
 }
 
 

@@ -30,6 +30,10 @@ BENCHMARKS = {
     "serve": ("tokenmill.benchmarks.serve.command", "load test of a running OpenAI-compatible server"),
     "kernels": ("tokenmill.benchmarks.kernels.command", "each Triton kernel against its PyTorch code"),
     "scenarios": ("tokenmill.benchmarks.scenarios.command", "scheduling features off / on, per workload"),
+    "structured": (
+        "tokenmill.benchmarks.structured.command",
+        "structured outputs: mask cost per grammar backend, overhead",
+    ),
 }
 # The command line's own temperature: milder than SamplingParams' (and OpenAI's) 1.0, for text that reads
 # well in a terminal from a small model; the server and LLM.generate keep 1.0.

@@ -14,6 +14,7 @@ BatchingMode = Literal["sequential", "static", "continuous"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 AdmissionRule = Literal["fit", "headroom", "lookahead"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
+StructuredOutputBackendName = Literal["llguidance", "xgrammar"]
 FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_rms_norm",
     "fused_rotary",
@@ -210,6 +211,9 @@ class EngineConfig:
     # Before the first request, run synthetic ones through every kernel the engine can hit, so Triton
     # compiles them at start-up, not inside a request. None (auto): on where Triton kernels compile.
     warm_start: bool | None = None
+    # The grammar engine of structured outputs (JSON schema, regex, choice, grammar): llguidance, or
+    # xgrammar (pip install 'tokenmill[xgrammar]'). Built at the first constrained request.
+    structured_output_backend: StructuredOutputBackendName = "llguidance"
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
@@ -217,6 +221,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require_at_least_one("max_model_len", self.max_model_len)
+        _require_choice(
+            "structured_output_backend", self.structured_output_backend, ("llguidance", "xgrammar")
+        )
         _require(
             not (self.scheduler.chunked_prefill and self.kv.mode == "none"),
             "chunked_prefill",

@@ -18,6 +18,8 @@ OPTION_HELP: dict[str, str] = {
     "seed": "seed of the dummy weights and of the engine's default sampling generator",
     "max_model_len": "longest sequence (prompt + output) in tokens; unset: the model's limit, at most 8192",
     "debug_checks": "check the block allocator and the prefix tree after every step (slow)",
+    "structured_output_backend": "grammar engine of structured outputs (JSON schema, regex, choice, "
+    "grammar): llguidance, or xgrammar (pip install 'tokenmill[xgrammar]')",
     "warm_start": "run synthetic requests through every kernel at start-up, so none compiles inside a "
     "request; unset: on where Triton kernels compile (CUDA)",
     # the KV cache

@@ -4,6 +4,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tokenmill.structured.params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy (argmax), as in vLLM: dividing by them would overflow.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -47,7 +49,9 @@ class SamplingParams:
     (HF semantics) applies over prompt and output tokens; ``presence_penalty`` / ``frequency_penalty``
     (OpenAI semantics) over output tokens only. ``max_tokens`` None means up to the context limit.
     ``min_tokens`` bans EOS and ``stop_token_ids`` until that many tokens were generated. ``logprobs`` is the
-    number of top alternatives returned besides the sampled token.
+    number of top alternatives returned besides the sampled token. ``structured_outputs`` constrains the
+    output to a JSON schema, regex, choice or grammar; the logprobs of a constrained request are those of
+    the constrained distribution (the model's logits with the tokens its grammar forbids masked out).
     """
 
     n: int = 1
@@ -69,6 +73,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -124,6 +129,13 @@ class SamplingParams:
             "skip_special_tokens",
             "a bool",
             self.skip_special_tokens,
+        )
+        structured = self.structured_outputs
+        _require(
+            structured is None or isinstance(structured, StructuredOutputsParams),
+            "structured_outputs",
+            "a StructuredOutputsParams or None",
+            structured,
         )
 
     def _validate_token_ids(self) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.outputs import RowLogprobs
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.backend import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -47,6 +48,7 @@ class Sequence:
     request_id: str = ""  # the user's request this sequence belongs to
     index: int = 0  # which of the n sequences this is
     prompt_logprobs: list[RowLogprobs] = field(default_factory=list)  # filled as the prompt is computed
+    grammar: GrammarMatcher | None = None  # with structured outputs: where its output is in its grammar
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -5,6 +5,7 @@ the function here; its module holds the run."""
 import argparse
 import math
 import os
+import typing
 from collections.abc import Callable, Collection
 from dataclasses import fields
 from pathlib import Path
@@ -14,7 +15,7 @@ from tokenmill.benchmarks.ladder.rungs import RUNGS
 from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
 from tokenmill.benchmarks.scenarios.workloads import WORKLOADS
 from tokenmill.benchmarks.workload import DATASETS, parse_length_range
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, StructuredOutputBackendName
 from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
 from tokenmill.config_help import CHOICES
 
@@ -266,6 +267,26 @@ def _size_text(value: Any) -> str:
     return f"{value[0]}-{value[1]}" if isinstance(value, tuple) else f"{value:g}"
 
 
+def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)  # its --tokenizer serves a tokenizer-less (dummy) model
+    add_engine_arguments(parser, exclude={"structured_output_backend"})
+    backends = typing.get_args(StructuredOutputBackendName)
+    group = parser.add_argument_group("structured outputs")
+    group.add_argument("--backends", default=",".join(backends), help="comma-separated (default: all)")
+    group.add_argument("--mask-batch-sizes", default="1,64", help="batch sizes of the mask timing")
+    group.add_argument("--skip-masks", action="store_true", help="no mask timing")
+    group.add_argument("--skip-e2e", action="store_true", help="no end-to-end runs")
+    group = parser.add_argument_group("workload")
+    group.add_argument("--num-requests", type=int, default=64)
+    group.add_argument("--input-len", type=int, default=128)
+    group.add_argument("--output-len", type=int, default=256)
+    group.add_argument("--check-prompts", type=int, default=4, help="prompts of the correctness checks")
+    group.add_argument(
+        "--check-tokens", type=int, default=512, help="max tokens of the structured check's outputs"
+    )
+    group.add_argument("--report-dir", type=Path, default=None, help="also write structured.md/.json here")
+
+
 BENCHMARK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "ladder": add_ladder_arguments,
     "latency": add_latency_arguments,
@@ -274,4 +295,5 @@ BENCHMARK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "serve": add_serve_arguments,
     "kernels": add_kernels_arguments,
     "scenarios": add_scenarios_arguments,
+    "structured": add_structured_arguments,
 }

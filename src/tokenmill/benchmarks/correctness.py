@@ -59,7 +59,7 @@ def check_fast_path(
 ) -> FastPathCheck:
     """Serve ``prompts`` greedily with ``config`` (all at once) and on the plain path (one at a time), in
     float32, and compare."""
-    reference = _float32_copy(config, loaded)
+    reference = float32_copy(config, loaded)
     blocks = sum(-(-(len(prompt) + max_tokens) // config.kv.block_size) for prompt in prompts)
     config = config.with_options(dtype="float32", num_kv_blocks=blocks + len(prompts), warm_start=False)
     fast_engine = LLMEngine(config, loaded=reference)
@@ -83,7 +83,7 @@ def check_fast_path(
     return check
 
 
-def _float32_copy(config: EngineConfig, loaded: LoadedModel) -> LoadedModel:
+def float32_copy(config: EngineConfig, loaded: LoadedModel) -> LoadedModel:
     if loaded.dtype == torch.float32:
         return loaded
     return load_model(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.params import StructuredOutputsParams
 
 PromptSource = Literal["auto", "text", "random"]
 
@@ -120,10 +121,14 @@ class Workload:
     requests: list[BenchRequest]
     prompt_source: str  # "text" or "random", as actually used
     vocab_size: int
+    structured_outputs: StructuredOutputsParams | None = None  # one constraint on every request
     params_by_id: dict[str, SamplingParams] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        params = {r.request_id: greedy_params(r.output_len, self.spec.ignore_eos) for r in self.requests}
+        params = {
+            r.request_id: greedy_params(r.output_len, self.spec.ignore_eos, self.structured_outputs)
+            for r in self.requests
+        }
         object.__setattr__(self, "params_by_id", params)
 
     @property
@@ -160,8 +165,12 @@ class Workload:
         )
 
 
-def greedy_params(output_len: int, ignore_eos: bool) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
+def greedy_params(
+    output_len: int, ignore_eos: bool, structured_outputs: StructuredOutputsParams | None = None
+) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos, structured_outputs=structured_outputs
+    )
 
 
 def _range_text(bounds: tuple[int, int]) -> str:

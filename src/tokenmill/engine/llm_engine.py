@@ -41,6 +41,8 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.output import SchedulerStats
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.sequence import FinishReason, Sequence
+from tokenmill.structured import CompiledGrammar
+from tokenmill.structured.manager import StructuredOutputs
 from tokenmill.tokenizer import Tokenizer
 
 __all__ = ["InvalidRequestError", "LLMEngine", "resolve_device"]
@@ -87,6 +89,13 @@ class LLMEngine:
         self.config = resolve_config(config, Platform.detect(self.device), self.max_model_len)
         self._check_token_budget()
         self.eos_token_ids = self._eos_token_ids()
+        self.structured_outputs = StructuredOutputs(
+            config.structured_output_backend,
+            self.tokenizer,
+            self.model_config.vocab_size,
+            sorted(self.eos_token_ids),
+            self.device,
+        )
         self.runner = self._build_runner()
         self.kv_cache: KVCache = self.runner.kv
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache.manager, self.max_model_len)
@@ -128,6 +137,7 @@ class LLMEngine:
             graph_sizes=cuda_graph_sizes(self.config, device),
             logits_in_graph=graphs.logits,
             overlap=bool(graphs.overlap_decode),
+            structured=self.structured_outputs,
         )
 
     def warm_up(self) -> WarmStartReport:
@@ -218,8 +228,9 @@ class LLMEngine:
             self.tokenizer is not None,
         )
         check_token_ids(params, vocab_size)
+        grammar = self._compile_grammar(params)
         seqs = [
-            self._sequence(request_id, index, prompt_ids, params, max_tokens, priority)
+            self._sequence(request_id, index, prompt_ids, params, max_tokens, priority, grammar)
             for index in range(params.n)
         ]
         self.requests[request_id] = seqs
@@ -238,8 +249,10 @@ class LLMEngine:
         params: SamplingParams,
         max_tokens: int,
         priority: int,
+        grammar: CompiledGrammar | None = None,
     ) -> Sequence:
-        """Sequence ``index`` of the request: its own id and seed when the request asks for several."""
+        """Sequence ``index`` of the request: its own id and seed when the request asks for several, and
+        its own matcher when it has a grammar."""
         if params.n > 1 and params.seed is not None:
             params = dataclasses.replace(params, seed=params.seed + index)
         seq_id = request_id if params.n == 1 else f"{request_id}[{index}]"
@@ -252,7 +265,14 @@ class LLMEngine:
             priority=priority,
             request_id=request_id,
             index=index,
+            grammar=grammar.matcher() if grammar is not None else None,
         )
+
+    def _compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The request's structured-output grammar (cached); a bad one raises, naming its field."""
+        if params.structured_outputs is None:
+            return None
+        return self.structured_outputs.compile(params.structured_outputs)
 
     def abort(self, request_id: str) -> None:
         """Stop ``request_id`` now: its KV blocks are freed at once, and the next ``step()`` reports it."""
@@ -277,10 +297,24 @@ class LLMEngine:
         result = step.result()
         deltas, self._pending = self._pending, []
         for seq, token, logprobs in self.scheduler.update(scheduled, result):
+            if seq.grammar is not None:
+                self._advance_grammar(seq, token)
             deltas.append(self._token_delta(seq, token, logprobs))
         if self.config.debug_checks:
             self.scheduler.check_integrity()
         return self._forget_finished(deltas)
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> None:
+        """Move ``seq``'s matcher past ``token``; end the sequence once its grammar is complete. A token the
+        grammar refuses cannot come from its mask, except where nothing was left to sample (every allowed
+        token banned, e.g. EOS by ``min_tokens``): that sequence ends there."""
+        assert seq.grammar is not None
+        if not seq.grammar.accept_token(token):
+            logger.warning("%s: token %d is outside its grammar; ending it", seq.seq_id, token)
+        elif not seq.grammar.is_terminated():
+            return
+        if not seq.is_finished:
+            self.scheduler.finish(seq, FinishReason.STOP)
 
     def _token_delta(self, seq: Sequence, token: int, logprobs: RowLogprobs | None) -> RequestDelta:
         """The delta of a newly sampled token: its text, and the end of the sequence at a stop string."""

@@ -28,6 +28,7 @@ from tokenmill.runner.sampler import (
 from tokenmill.runner.step_inputs import attention_metadata, build_step_arrays, pack_to_device
 from tokenmill.scheduler.output import ScheduledChunk, StepResult
 from tokenmill.sequence import Sequence as Seq
+from tokenmill.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +75,12 @@ class ModelRunner:
         graph_sizes: Sequence[int] = (),
         logits_in_graph: bool = False,
         overlap: bool = False,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         """``graph_sizes``: the decode batch sizes to capture in CUDA graphs (none: decode eagerly);
         ``logits_in_graph``: those graphs also compute the logits and their argmax (up to 16 rows);
-        ``overlap``: a decode step's successor may be started before the step is read."""
+        ``overlap``: a decode step's successor may be started before the step is read; ``structured``:
+        the token masks of sequences with a grammar (needed once one is added)."""
         self.model = model
         self.backend = backend
         self.sampler = sampler
@@ -85,6 +88,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
         self.overlap = overlap
+        self.structured = structured
         self.decode_graphs: DecodeGraphRunner | None = None
         self.graph_capture: CaptureReport | None = None
         if graph_sizes:
@@ -142,12 +146,22 @@ class ModelRunner:
     def _sample(
         self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor, argmax: torch.Tensor | None = None
     ) -> SamplerOutput:
-        """Sample each chunk's next token (``argmax``: the logits' argmax, when already computed)."""
+        """Sample each chunk's next token (``argmax``: the logits' argmax, when already computed). Rows
+        with a grammar are masked by it: the step's bitmask is filled on the host now, while the device
+        runs the forward pass enqueued before; a step without one runs no structured-output code."""
+        seqs = [chunk.seq for chunk in chunks]
         rows = [
             SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.banned_token_ids())
-            for seq in (chunk.seq for chunk in chunks)
+            for seq in seqs
         ]
-        return self.sampler(logits, SamplingBatch.build(rows, self.vocab_size, self.device), argmax)
+        grammars = [seq.grammar for seq in seqs]
+        bitmask = None
+        if any(grammar is not None for grammar in grammars):
+            if self.structured is None:
+                raise ValueError("a sequence has a grammar but this runner was given no structured outputs")
+            bitmask = self.structured.bitmask(grammars)
+        batch = SamplingBatch.build(rows, self.vocab_size, self.device, bitmask)
+        return self.sampler(logits, batch, argmax)
 
     def _prompt_logprobs(
         self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor

@@ -31,17 +31,28 @@ from tokenmill.server.responses import (
     usage_info,
 )
 from tokenmill.server.sampling import chat_params
+from tokenmill.server.structured import constrained, structured_outputs_of
+from tokenmill.server.tool_calls import ToolCallView, tool_choice_constraint, tools_for_template
 
 router = APIRouter()
 
 
-def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-    """The chat template's text for ``messages``; a template or content problem is a 400."""
+def render_chat(
+    ctx: ServerContext,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The chat template's text for ``messages`` (and ``tools``, where the template shows them); a template
+    or content problem is a 400."""
     conversation = [_message_dict(message) for message in messages]
     if not conversation:
         raise bad_request("messages must hold at least one message", "messages")
+    extra: dict[str, Any] = {"tools": tools} if tools else {}
     try:
-        return ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        return ctx.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+        )
     except TokenmillError as exc:
         raise bad_request(str(exc), "messages") from None
     except Exception as exc:  # the template runs on the client's messages, so whatever it raises is theirs
@@ -60,7 +71,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     ctx = context(request)
     ctx.check_model(body.model)
     params = chat_params(body)
-    prompt = render_chat(ctx, body.messages, body.add_generation_prompt)
+    params = await constrained(ctx.engine, params, structured_outputs_of(body, tool_choice_constraint(body)))
+    prompt = render_chat(ctx, body.messages, body.add_generation_prompt, tools_for_template(body))
     generation = await ctx.start([prompt], params, request, body.priority)
     view = _ChatView(ctx, body, generation)
     if body.stream:
@@ -76,14 +88,16 @@ class _ChatView:
         self.id = ctx.new_id("chatcmpl")
         self.token_texts = TokenTexts(ctx.tokenizer)
         self.num_top = body.top_logprobs or 0
+        forced = body.tool_choice not in (None, "none", "auto")
+        self.tool_calls = ToolCallView(body) if forced else None
 
     def response(self, results: list[ChoiceResult]) -> ChatCompletionResponse:
         choices = [
             ChatChoice(
                 index=index,
-                message=ChatMessageOut(content=result.text),
+                message=self._message(result.text),
                 logprobs=self._logprobs(result),
-                finish_reason=result.finish_reason,
+                finish_reason=self._finish_reason(result.text, result.finish_reason),
                 stop_reason=result.stop_reason,
             )
             for index, result in enumerate(results)
@@ -96,6 +110,14 @@ class _ChatView:
             usage=usage_info(self.generation, sum(len(result.token_ids) for result in results)),
         )
 
+    def _message(self, text: str) -> ChatMessageOut:
+        if self.tool_calls is None:
+            return ChatMessageOut(content=text)
+        return self.tool_calls.message(text)
+
+    def _finish_reason(self, text: str, reason: str | None) -> str | None:
+        return reason if self.tool_calls is None else self.tool_calls.finish_reason(text, reason)
+
     def _logprobs(self, result: ChoiceResult) -> ChatLogprobs | None:
         if not self.body.logprobs:
             return None
@@ -106,23 +128,34 @@ class _ChatView:
             role = DeltaMessage(role="assistant", content="")
             yield sse(self._chunk([ChatChunkChoice(index=index, delta=role)]))
         num_tokens = 0
+        texts = [""] * self.generation.num_choices
         async for index, delta in self.generation.deltas():
             step = ChoiceResult()
             step.apply(delta)
             num_tokens += len(delta.new_token_ids)
+            texts[index] += step.text
+            message = self._delta_message(index, step.text, delta.finished)
             logprobs = self._logprobs(step)
-            if step.text or delta.finished or (logprobs is not None and logprobs.content):
-                yield sse(self._chunk([self._stream_choice(index, step, logprobs)]))
+            if message is not None or delta.finished or (logprobs is not None and logprobs.content):
+                empty = DeltaMessage(content="" if self.tool_calls is None else None)
+                choice = self._stream_choice(index, step, message or empty, logprobs)
+                choice.finish_reason = self._finish_reason(texts[index], step.finish_reason)
+                yield sse(self._chunk([choice]))
         if self.body.include_usage:
             yield sse(self._chunk([], usage_info(self.generation, num_tokens)))
         yield SSE_DONE
 
+    def _delta_message(self, index: int, text: str, finished: bool) -> DeltaMessage | None:
+        if self.tool_calls is not None:
+            return self.tool_calls.delta(index, text, finished)
+        return DeltaMessage(content=text) if text else None
+
     def _stream_choice(
-        self, index: int, step: ChoiceResult, logprobs: ChatLogprobs | None
+        self, index: int, step: ChoiceResult, message: DeltaMessage, logprobs: ChatLogprobs | None
     ) -> ChatChunkChoice:
         return ChatChunkChoice(
             index=index,
-            delta=DeltaMessage(content=step.text),
+            delta=message,
             logprobs=logprobs,
             finish_reason=step.finish_reason,
             stop_reason=step.stop_reason,

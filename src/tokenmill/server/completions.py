@@ -34,6 +34,7 @@ from tokenmill.server.responses import (
     usage_info,
 )
 from tokenmill.server.sampling import check_sequence_count, completion_params, make_params
+from tokenmill.server.structured import constrained, structured_outputs_of
 
 router = APIRouter()
 
@@ -60,6 +61,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     ctx.check_model(body.model)
     prompts = normalise_prompts(body.prompt)
     params = completion_params(body, len(prompts))
+    params = await constrained(ctx.engine, params, structured_outputs_of(body))
     generation = await ctx.start(prompts, params, request, body.priority)
     view = _CompletionView(ctx, body, params, prompts, generation)
     if body.stream:
@@ -184,6 +186,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     ctx.check_model(body.model)
     check_sequence_count(body.n, 1)
     params = make_params(body, max_tokens=body.max_tokens)
+    params = await constrained(ctx.engine, params, structured_outputs_of(body))
     generation = await ctx.start([body.prompt], params, request, body.priority)
 
     def build(results: list[ChoiceResult]) -> dict[str, Any]:

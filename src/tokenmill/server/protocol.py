@@ -1,9 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
 Requests take the parameters vLLM honours (OpenAI's plus ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``, ``priority``); unknown fields
-are ignored, so clients written for other servers work. Types are checked here; ranges are checked by
-``SamplingParams``, whose errors name the parameter.
+``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``, ``priority``, and structured
+outputs: ``response_format``, ``structured_outputs``, the older ``guided_*`` fields, and on chat ``tools``
+with ``tool_choice``); unknown fields are ignored, so clients written for other servers work. Types are
+checked here; ranges are checked by ``SamplingParams``, whose errors name the parameter.
 """
 
 from typing import Any, Literal
@@ -20,6 +21,31 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(_Request):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs`` body field: set one of the constraints."""
+
+    json_: dict[str, Any] | StrictStr | StrictBool | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
 
 
 class SamplingRequest(_Request):
@@ -45,6 +71,12 @@ class SamplingRequest(_Request):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     priority: StrictInt = 0  # lower is served first; non-zero needs the engine's "priority" policy
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -72,8 +104,30 @@ class ChatMessage(_Request):
     content: StrictStr | list[ContentPart] | None = None
 
 
+class FunctionDefinition(_Request):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: StrictStr
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
@@ -153,9 +207,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -175,9 +241,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

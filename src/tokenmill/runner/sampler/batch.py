@@ -190,6 +190,9 @@ class SamplingBatch:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
+    # Structured outputs: [B, ceil(V / 32)] int32 on the device, bit t of a row set where token t may come
+    # next (rows without a grammar: all set); None when no row has a grammar.
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -220,10 +223,14 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str = "cpu"
+        cls,
+        rows: Sequence[SamplingRow],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        token_bitmask: torch.Tensor | None = None,
     ) -> "SamplingBatch":
         """Host work is O(B + ids of penalised rows), and no device value is read back. Pass the
-        logits' device."""
+        logits' device, and the rows' grammar bitmask if some row has a grammar."""
         device = torch.device(device)
         params = [row.params for row in rows]
         any_sampled = not all(p.is_greedy for p in params)
@@ -246,6 +253,7 @@ class SamplingBatch:
             any_top_k=table.any_top_k if table else False,
             any_top_p=table.any_top_p if table else False,
             any_min_p=table.any_min_p if table else False,
+            token_bitmask=token_bitmask,
         )
 
 

@@ -20,6 +20,9 @@ _MIN_NOISE = 1e-20
 DrawFn: TypeAlias = Callable[[torch.Tensor, SamplingBatch, DrawParams], torch.Tensor]
 # ``logits.argmax(dim=-1)`` of float32 ``[B, V]`` logits, ties to the lowest id.
 ArgmaxFn: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
+# Structured outputs: float32 ``[B, V]`` logits and a ``[B, ceil(V/32)]`` int32 bitmask to the logits with
+# the tokens whose bit is clear set to -inf (a new tensor).
+MaskFn: TypeAlias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def torch_draw(logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> torch.Tensor:

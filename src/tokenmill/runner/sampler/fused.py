@@ -7,6 +7,7 @@ nothing else in the package does, so the sampler imports where triton is not ins
 import torch
 
 from tokenmill.kernels.sampling import argmax, compile_variants, gumbel_max_sample
+from tokenmill.kernels.token_bitmask import apply_token_bitmask
 from tokenmill.runner.sampler.batch import DrawParams, SamplingBatch
 from tokenmill.runner.sampler.filters import filter_sorted, scaled_logit_floor
 
@@ -22,4 +23,4 @@ def fused_draw(logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> 
     return gumbel_max_sample(logits, draw.greedy, draw.noise_seeds, draw.temperature, floor)
 
 
-__all__ = ["argmax", "compile_variants", "fused_draw"]
+__all__ = ["apply_token_bitmask", "argmax", "compile_variants", "fused_draw"]

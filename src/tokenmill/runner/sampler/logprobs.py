@@ -1,5 +1,6 @@
 """Logprobs of chosen tokens and their top alternatives, for sampled tokens and for prompt tokens."""
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ class LogprobsTensors:
 
     def to_rows(self, num_top: Sequence[int | None] | int) -> list[RowLogprobs]:
         """Python values per row (one device-to-host copy per tensor); row i keeps its first ``num_top[i]``
-        alternatives."""
+        alternatives, less those of probability 0 (tokens a grammar forbids)."""
         counts = [num_top] * len(self.token_ids) if isinstance(num_top, int) else list(num_top)
         token_ids, logprobs, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
         top_ids, top_logprobs = self.top_ids.tolist(), self.top_logprobs.tolist()
@@ -41,7 +42,11 @@ class LogprobsTensors:
                 token_ids[i],
                 logprobs[i],
                 ranks[i],
-                list(zip(top_ids[i][:k], top_logprobs[i][:k], strict=True)),
+                [
+                    (t, lp)
+                    for t, lp in zip(top_ids[i][:k], top_logprobs[i][:k], strict=True)
+                    if lp > -math.inf
+                ],
             )
             for i, k in enumerate(count or 0 for count in counts)
         ]

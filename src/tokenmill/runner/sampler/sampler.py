@@ -6,9 +6,10 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.runner.sampler.batch import SamplingBatch
-from tokenmill.runner.sampler.draw import ArgmaxFn, DrawFn, torch_argmax, torch_draw
+from tokenmill.runner.sampler.draw import ArgmaxFn, DrawFn, MaskFn, torch_argmax, torch_draw
 from tokenmill.runner.sampler.logprobs import LogprobsTensors, gather_logprobs
 from tokenmill.runner.sampler.penalties import apply_penalties
+from tokenmill.structured.bitmask import apply_token_bitmask
 
 
 @dataclass
@@ -21,7 +22,8 @@ class SamplerOutput:
 class Sampler:
     """Turns a step's ``[B, V]`` logits into token ids, all rows at once, with no host-device sync.
 
-    Order: logit bias and banned tokens, repetition penalty (HF: over prompt and output tokens, positive
+    Order: the grammar's token mask (structured outputs: tokens it forbids get -inf), logit bias and banned
+    tokens, repetition penalty (HF: over prompt and output tokens, positive
     logits divided by it, negative ones multiplied), presence / frequency penalties (OpenAI: over output
     tokens), argmax for greedy rows; for the others temperature, top-k, top-p, min-p, then a sample drawn
     as ``argmax(probs / Exp(1) noise)``, which is exact and needs no ``torch.multinomial`` sync. A batch
@@ -37,20 +39,23 @@ class Sampler:
     other path, build another sampler.
 
     Logprobs are those of the model's raw logits (``log_softmax`` before bias, penalties, temperature and
-    filtering), as vLLM v1 returns by default.
+    filtering), as vLLM v1 returns by default; for a row with a grammar, of its masked logits (the
+    constrained distribution: forbidden tokens have probability 0 and never appear among the top ones).
     """
 
     def __init__(self, *, fused: bool = False) -> None:
         self._fused = fused
         self._draw: DrawFn
         self._argmax: ArgmaxFn
+        self._mask: MaskFn
         self._compile: Callable[[int, int, torch.device], None] | None = None
         if fused:
-            from tokenmill.runner.sampler.fused import argmax, compile_variants, fused_draw  # imports triton
+            from tokenmill.runner.sampler import fused as kernels  # imports triton
 
-            self._draw, self._argmax, self._compile = fused_draw, argmax, compile_variants
+            self._draw, self._argmax = kernels.fused_draw, kernels.argmax
+            self._mask, self._compile = kernels.apply_token_bitmask, kernels.compile_variants
         else:
-            self._draw, self._argmax = torch_draw, torch_argmax
+            self._draw, self._argmax, self._mask = torch_draw, torch_argmax, apply_token_bitmask
 
     @property
     def fused(self) -> bool:
@@ -62,10 +67,14 @@ class Sampler:
         self, logits: torch.Tensor, batch: SamplingBatch, argmax: torch.Tensor | None = None
     ) -> SamplerOutput:
         """``argmax``: ``logits.argmax(dim=-1)`` when already computed (decode graphs compute it with the
-        logits); a batch of greedy rows without logit edits takes its tokens from it as they are."""
+        logits); a batch of greedy rows without logit edits or grammars takes its tokens from it as they
+        are."""
         logits = logits.float()
+        if batch.token_bitmask is not None:
+            logits = self._mask(logits, batch.token_bitmask)
         processed = apply_penalties(logits, batch)
-        if batch.draw is None and argmax is not None and not batch.needs_logit_edits:
+        unedited = not batch.needs_logit_edits and batch.token_bitmask is None
+        if batch.draw is None and argmax is not None and unedited:
             token_ids = argmax
         elif batch.draw is None:
             token_ids = self._argmax(processed)

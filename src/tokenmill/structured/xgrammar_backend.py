@@ -1,0 +1,126 @@
+"""The second grammar backend: xgrammar (Apache-2.0; ``pip install 'tokenmill[xgrammar]'``).
+
+It precompiles each grammar against the whole vocabulary (slower compiles that grow with the vocabulary,
+a compile cache of its own) and then computes masks fastest, filling a batch's rows from its own thread
+pool (``BatchGrammarMatcher``). Its matchers terminate only on EOS: once a grammar is complete the mask
+allows EOS alone, which the sequence then samples and ends on.
+
+xgrammar 0.2.8 compiles ``allOf`` into a grammar that lets invalid JSON through (wrong types, or any
+value at all), so schemas using it are refused here with a message that points to llguidance, rather
+than served with outputs that do not validate. Its regex digit and word classes are ASCII-only, where
+llguidance's (like Python's ``re``) also take other Unicode digits and letters.
+"""
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import xgrammar
+
+from tokenmill.structured.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarCompileError,
+    GrammarMatcher,
+    Vocabulary,
+)
+from tokenmill.structured.params import MAX_JSON_WHITESPACE, GrammarSpec, choice_lark
+
+_COMPILE_THREADS = 2
+UNSUPPORTED_KEYWORDS = frozenset({"allOf"})  # compiled, but not enforced (see above)
+_NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+        self.inner = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self.inner.accept_token(token_id))
+
+    def is_terminated(self) -> bool:
+        return bool(self.inner.is_terminated())
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+
+
+class XGrammarGrammar(CompiledGrammar):
+    def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
+        self._compiled = compiled
+
+    def matcher(self) -> GrammarMatcher:
+        return XGrammarMatcher(xgrammar.GrammarMatcher(self._compiled))
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, vocabulary: Vocabulary) -> None:
+        super().__init__(vocabulary)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            vocabulary.hf_tokenizer,  # type: ignore[arg-type]
+            vocab_size=vocabulary.vocab_size,
+            stop_token_ids=list(vocabulary.eos_token_ids) or None,
+        )
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=_COMPILE_THREADS)
+        self._batch = xgrammar.BatchGrammarMatcher()
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        try:
+            return XGrammarGrammar(self._compile(spec))
+        except (RuntimeError, ValueError) as exc:  # xgrammar's errors derive from these
+            raise GrammarCompileError(spec, str(exc)) from None
+
+    def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+        compiler = self._compiler
+        if spec.kind == "json":
+            if any(key in UNSUPPORTED_KEYWORDS for key in _keywords(json.loads(spec.source))):
+                raise ValueError(
+                    f"the xgrammar backend does not enforce {sorted(UNSUPPORTED_KEYWORDS)} correctly; "
+                    "serve this schema with structured_output_backend='llguidance'"
+                )
+            return compiler.compile_json_schema(
+                spec.source,
+                any_whitespace=spec.any_whitespace,
+                max_whitespace_cnt=MAX_JSON_WHITESPACE if spec.any_whitespace else None,
+                separators=None if spec.any_whitespace else (",", ":"),  # its default puts spaces after them
+            )
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.source)
+        if spec.kind == "choice":
+            return compiler.compile_lark(choice_lark(spec.choices))
+        if "::=" in spec.source:  # GBNF, whose start rule is "root"
+            return compiler.compile_grammar(spec.source)
+        return compiler.compile_lark(spec.source)
+
+    def fill_bitmasks(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
+        if len(rows) == 1:
+            matcher, row = rows[0]
+            _inner(matcher).fill_next_token_bitmask(bitmask, row)
+            return
+        matchers = [_inner(matcher) for matcher, _ in rows]
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, [row for _, row in rows])
+
+
+def _inner(matcher: GrammarMatcher) -> xgrammar.GrammarMatcher:
+    if not isinstance(matcher, XGrammarMatcher):
+        raise TypeError(f"an xgrammar backend cannot fill the mask of a {type(matcher).__name__}")
+    return matcher.inner
+
+
+def _keywords(schema: Any) -> Iterator[str]:
+    """Every keyword of a JSON schema and its subschemas (property and definition names are not)."""
+    if isinstance(schema, list):
+        for item in schema:
+            yield from _keywords(item)
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        yield key
+        if key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
+            for subschema in value.values():
+                yield from _keywords(subschema)
+        else:
+            yield from _keywords(value)
