@@ -158,7 +158,7 @@ def test_every_engine_setting_has_a_description_choices_and_its_default() -> Non
             assert f"default: {'on' if default else 'off'}" in action.help, name
         elif default is not None:
             assert f"default: {default}" in action.help, name
-    assert actions["attention_backend"].choices == ("torch", "triton")
+    assert actions["attention_backend"].choices == ("auto", "torch", "triton")
     assert "choices: torch, triton" in str(actions["attention_backend"].help)
     assert actions["dtype"].choices == ("auto", *DTYPES)
     assert actions["load_format"].choices == LOAD_FORMATS

@@ -9,10 +9,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tokenmill.structured import GrammarCompileError, StructuredOutputsParams, Vocabulary
-from tokenmill.structured.backend import GrammarBackend, GrammarMatcher
+from tokenmill.structured.backend import GrammarBackend, GrammarCompileError, GrammarMatcher, Vocabulary
 from tokenmill.structured.manager import StructuredOutputs, create_backend
-from tokenmill.structured.params import MAX_JSON_WHITESPACE
+from tokenmill.structured.params import MAX_JSON_WHITESPACE, StructuredOutputsParams
 
 BACKENDS = ["llguidance", "xgrammar"]
 EXTRA_IDS = 40  # model vocabulary rows past the tokenizer's

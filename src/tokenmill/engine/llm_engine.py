@@ -41,7 +41,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.output import SchedulerStats
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.sequence import FinishReason, Sequence
-from tokenmill.structured import CompiledGrammar
+from tokenmill.structured.backend import CompiledGrammar
 from tokenmill.structured.manager import StructuredOutputs
 from tokenmill.tokenizer import Tokenizer
 

@@ -15,7 +15,8 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol import ResponseFormat, SamplingRequest, StructuredOutputsRequest
-from tokenmill.structured import StructuredOutputError, StructuredOutputsParams
+from tokenmill.structured.backend import StructuredOutputError
+from tokenmill.structured.params import StructuredOutputsParams
 
 
 class StructuredRequest(NamedTuple):

@@ -7,27 +7,7 @@ compile cache and per-step masks). The engine keeps one matcher per constrained 
 (``Sequence.grammar``), advances it with every sampled token and ends the sequence when its grammar
 terminates; the runner asks for a step's bitmask only when some row has a matcher, and the sampler
 masks those rows' logits before penalties, temperature and top-k / top-p / min-p.
+
+Import from the modules: ``params`` is torch-free (``SamplingParams`` and the command line read it before
+torch is imported), the others import torch.
 """
-
-from tokenmill.structured.backend import (
-    CompiledGrammar,
-    GrammarBackend,
-    GrammarCompileError,
-    GrammarMatcher,
-    StructuredOutputError,
-    Vocabulary,
-    bitmask_width,
-)
-from tokenmill.structured.params import GrammarSpec, StructuredOutputsParams
-
-__all__ = [
-    "CompiledGrammar",
-    "GrammarBackend",
-    "GrammarCompileError",
-    "GrammarMatcher",
-    "GrammarSpec",
-    "StructuredOutputError",
-    "StructuredOutputsParams",
-    "Vocabulary",
-    "bitmask_width",
-]

@@ -15,7 +15,7 @@ import torch
 from tokenmill.benchmarks.stats import median, percentile
 from tokenmill.benchmarks.structured.schemas import COMPILED, instance_text
 from tokenmill.kernels.options import resolve_kernel_toggle
-from tokenmill.structured import GrammarBackend, GrammarMatcher, Vocabulary
+from tokenmill.structured.backend import GrammarBackend, GrammarMatcher, Vocabulary
 from tokenmill.structured.bitmask import apply_token_bitmask
 from tokenmill.structured.manager import create_backend
 from tokenmill.tokenizer import Tokenizer

@@ -25,7 +25,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured import StructuredOutputsParams
+from tokenmill.structured.params import StructuredOutputsParams
 from tokenmill.tokenizer import Tokenizer
 
 CHECK_TOKENS = 512  # enough for random weights to finish the nested schema (its strings are bounded)

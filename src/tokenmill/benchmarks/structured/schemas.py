@@ -10,7 +10,7 @@ a constrained request produces exactly ``max_tokens`` tokens, like an unconstrai
 import json
 from typing import Any
 
-from tokenmill.structured import StructuredOutputsParams
+from tokenmill.structured.params import StructuredOutputsParams
 
 NESTED: dict[str, Any] = {
     "type": "object",
