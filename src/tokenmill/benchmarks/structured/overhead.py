@@ -66,10 +66,11 @@ def check_structured(
     check = StructuredCheck(config.structured_output_backend, num_prompts=len(prompts))
     reference = dataclasses.replace(float32_copy(config, loaded), tokenizer=tokenizer)
     longest = max(len(prompt) for prompt in prompts) + max_tokens
+    max_model_len = min(-(-longest // 64) * 64, loaded.config.max_position_embeddings)
     config = config.with_options(
         dtype="float32",
-        max_model_len=min(-(-longest // 64) * 64, loaded.config.max_position_embeddings),
-        max_num_batched_tokens=max(config.scheduler.max_num_batched_tokens or 0, longest),
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max(config.scheduler.max_num_batched_tokens or 0, max_model_len),
         warm_start=False,
         num_kv_blocks=len(prompts) * (-(-longest // config.kv.block_size) + 1),
     )
