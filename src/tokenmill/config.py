@@ -15,6 +15,7 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 AdmissionRule = Literal["fit", "headroom", "lookahead"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 StructuredOutputBackendName = Literal["llguidance", "xgrammar"]
+SpeculativeMethod = Literal["ngram", "draft_model"]
 FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_rms_norm",
     "fused_rotary",
@@ -197,6 +198,78 @@ class CudaGraphConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses up to ``num_speculative_tokens`` tokens of a decoding
+    sequence, the model checks them all in one step, and a rejection sampler keeps exactly the model's
+    output distribution. ``ngram``: prompt lookup (the longest suffix of ``prompt_lookup_min`` to
+    ``prompt_lookup_max`` tokens found earlier in the prompt and output; the tokens after it);
+    ``draft_model``: a smaller ``model`` with the same vocabulary, run with its own KV cache. None: off."""
+
+    method: SpeculativeMethod | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft_model: the draft (a short name, folder, .gguf or preset)
+    load_format: str = "auto"  # draft_model: "dummy" for random weights of a preset
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in (None, "ngram", "draft_model"),
+            "speculative_method",
+            "None (off), 'ngram' or 'draft_model'",
+            self.method,
+        )
+        _require(
+            1 <= self.num_speculative_tokens <= 32,
+            "num_speculative_tokens",
+            "in [1, 32]",
+            self.num_speculative_tokens,
+        )
+        _require(self.prompt_lookup_min >= 1, "prompt_lookup_min", "at least 1", self.prompt_lookup_min)
+        _require(
+            self.prompt_lookup_max >= self.prompt_lookup_min,
+            "prompt_lookup_max",
+            f"at least prompt_lookup_min ({self.prompt_lookup_min})",
+            self.prompt_lookup_max,
+        )
+        _require(
+            (self.method == "draft_model") == (self.model is not None),
+            "speculative_model",
+            "set exactly when speculative_method is 'draft_model'",
+            self.model,
+        )
+        _require_choice("speculative_load_format", self.load_format, ("auto", "dummy"))
+
+
+# ``LLM(speculative_config={...})`` keys, as vLLM names them, -> the flat names of SpeculativeConfig.
+SPECULATIVE_CONFIG_KEYS: dict[str, str] = {
+    "method": "speculative_method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "model": "speculative_model",
+    "load_format": "speculative_load_format",
+}
+
+
+def speculative_options(speculative_config: dict[str, Any] | None) -> dict[str, Any]:
+    """A vLLM-style ``speculative_config`` dict as flat options; an unknown key is a ValueError."""
+    if speculative_config is None:
+        return {}
+    if not isinstance(speculative_config, dict):
+        raise ValueError(f"speculative_config must be a dict, got {speculative_config!r}")
+    unknown = sorted(set(speculative_config) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(
+            f"speculative_config has unknown key(s) {unknown}; known: {sorted(SPECULATIVE_CONFIG_KEYS)}"
+        )
+    options = {SPECULATIVE_CONFIG_KEYS[key]: value for key, value in speculative_config.items()}
+    if options.get("speculative_model") is not None and "speculative_method" not in options:
+        options["speculative_method"] = "draft_model"
+    return options
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """How the engine loads the model and serves requests; one frozen group per part of the engine."""
 
@@ -218,6 +291,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
     graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         _require_at_least_one("max_model_len", self.max_model_len)
@@ -245,7 +319,11 @@ class EngineConfig:
         )
 
     def with_options(self, **options: Any) -> "EngineConfig":
-        """A copy with settings changed by their flat names (see :data:`FLAT_OPTIONS`)."""
+        """A copy with settings changed by their flat names (see :data:`FLAT_OPTIONS`); a vLLM-style
+        ``speculative_config`` dict stands for the speculative settings it names."""
+        if "speculative_config" in options:
+            options = {**options}
+            options.update(speculative_options(options.pop("speculative_config")))
         unknown = sorted(set(options) - set(FLAT_OPTIONS))
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(FLAT_OPTIONS)}")
@@ -286,6 +364,7 @@ GROUPS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "kernels": KernelConfig,
     "graphs": CudaGraphConfig,
+    "speculative": SpeculativeConfig,
 }
 # Flat names whose group field is named differently (inside its group the prefix would repeat itself).
 _ALIASES: dict[str, tuple[str, str]] = {
@@ -295,6 +374,9 @@ _ALIASES: dict[str, tuple[str, str]] = {
     "cuda_graphs": ("graphs", "enabled"),
     "cuda_graph_max_batch_size": ("graphs", "max_batch_size"),
     "cuda_graph_logits": ("graphs", "logits"),
+    "speculative_method": ("speculative", "method"),
+    "speculative_model": ("speculative", "model"),
+    "speculative_load_format": ("speculative", "load_format"),
 }
 
 

@@ -5,13 +5,14 @@ choices. A flag left unset keeps EngineConfig's default. Each flag's help is the
 (``tokenmill.config_help``), then its choices and its default."""
 
 import argparse
+import json
 import types
 import typing
 from collections.abc import Callable, Collection
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
-from tokenmill.config import FLAT_OPTIONS, GROUPS, EngineConfig
+from tokenmill.config import FLAT_OPTIONS, GROUPS, EngineConfig, speculative_options
 from tokenmill.config_help import CHOICES, OPTION_HELP
 
 
@@ -32,6 +33,31 @@ def add_engine_config_arguments(
             parser.add_argument(flag, choices=choices, default=None, help=help_text)
         else:
             parser.add_argument(flag, type=_parser_for(kind), default=None, help=help_text)
+    if "speculative_method" not in exclude:
+        parser.add_argument(
+            "--speculative-config",
+            type=parse_speculative_config,
+            default=None,
+            help='speculative decoding as vLLM takes it, a JSON object, e.g. \'{"method": "ngram", '
+            '"num_speculative_tokens": 4}\' (keys: method, num_speculative_tokens, prompt_lookup_min, '
+            "prompt_lookup_max, model, load_format); the --speculative-* flags override its keys",
+        )
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    """``--speculative-config``'s JSON object, its keys checked (no torch needed)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    try:
+        options = speculative_options(value)
+        EngineConfig().with_options(**options)
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
 
 
 def option_help(name: str, default: Any, choices: Collection[str] | None = None) -> str:
@@ -48,11 +74,12 @@ def option_help(name: str, default: Any, choices: Collection[str] | None = None)
 
 def engine_options_from(args: argparse.Namespace, exclude: Collection[str] = ()) -> dict[str, Any]:
     """The EngineConfig fields given on the command line, for ``EngineConfig.with_options``."""
-    return {
+    given = {
         name: getattr(args, name)
         for name in FLAT_OPTIONS
         if name not in exclude and getattr(args, name, None) is not None
     }
+    return {**speculative_options(getattr(args, "speculative_config", None)), **given}
 
 
 def _settings() -> dict[str, tuple["Field[Any]", Any]]:

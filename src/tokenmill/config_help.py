@@ -72,6 +72,17 @@ OPTION_HELP: dict[str, str] = {
     "cuda_graph_logits": "decode graphs of up to 16 rows also compute the logits and their argmax",
     "overlap_decode": "queue the next decode step before this one's tokens are read back (needs "
     "--cuda-graphs); unset: on with CUDA graphs",
+    # speculative decoding
+    "speculative_method": "speculative decoding: ngram (prompt lookup: copy what followed the latest "
+    "earlier occurrence of the output's last tokens) or draft_model (a smaller model with the same "
+    "vocabulary); the model checks the guesses in one step, keeping its exact output distribution; "
+    "unset: off",
+    "num_speculative_tokens": "tokens guessed per step for each decoding sequence (k)",
+    "prompt_lookup_min": "ngram: the shortest suffix looked up in the prompt and output",
+    "prompt_lookup_max": "ngram: the longest suffix looked up (the longest match wins)",
+    "speculative_model": "draft_model: the draft model (short name, folder, .gguf file, or a preset with "
+    "--speculative-load-format dummy)",
+    "speculative_load_format": "draft_model: dummy for random weights of the named preset",
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -14,6 +14,44 @@ class RowLogprobs(NamedTuple):
 
 
 @dataclass
+class SpecDecodeCounts:
+    """Speculative decoding of one sequence (or, summed, of the engine): ``num_steps`` verification steps
+    with at least one draft token, ``num_proposed`` draft tokens run, ``num_accepted`` of them accepted,
+    ``num_emitted`` tokens those steps produced (accepted ones plus one each, fewer where a stop cut
+    them off)."""
+
+    num_steps: int = 0
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_emitted: int = 0
+
+    def add(self, other: "SpecDecodeCounts") -> None:
+        self.num_steps += other.num_steps
+        self.num_proposed += other.num_proposed
+        self.num_accepted += other.num_accepted
+        self.num_emitted += other.num_emitted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verification step (accepted drafts plus the model's own token)."""
+        return self.num_emitted / self.num_steps if self.num_steps else 0.0
+
+    def as_metrics(self) -> dict[str, float]:
+        return {
+            "spec_decode_num_steps": self.num_steps,
+            "spec_decode_num_draft_tokens": self.num_proposed,
+            "spec_decode_num_accepted_tokens": self.num_accepted,
+            "spec_decode_num_emitted_tokens": self.num_emitted,
+            "spec_decode_acceptance_rate": self.acceptance_rate,
+            "spec_decode_mean_accepted_length": self.mean_accepted_length,
+        }
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str = ""
@@ -21,6 +59,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[RowLogprobs] | None = None
+    # With speculative decoding on: this sequence's verification steps, draft tokens and acceptance.
+    spec_decode: SpecDecodeCounts | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -56,6 +96,18 @@ class RequestOutput:
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         output.finish_reason = delta.finish_reason
         output.stop_reason = delta.stop_reason
+        if delta.spec_decode is not None:
+            output.spec_decode = delta.spec_decode
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Per-request figures: with speculative decoding, its sequences' draft tokens proposed, accepted
+        and emitted, verification steps, acceptance rate and mean tokens per verification step."""
+        total = SpecDecodeCounts()
+        for output in self.outputs:
+            if output.spec_decode is not None:
+                total.add(output.spec_decode)
+        return total.as_metrics() if any(o.spec_decode is not None for o in self.outputs) else {}
 
 
 @dataclass
@@ -73,6 +125,7 @@ class RequestDelta:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[RowLogprobs | None] | None = None  # once, with the first delta
+    spec_decode: SpecDecodeCounts | None = None  # the sequence's counts so far, when speculating
 
     @property
     def finished(self) -> bool:

@@ -52,6 +52,7 @@ class SamplingParams:
     number of top alternatives returned besides the sampled token. ``structured_outputs`` constrains the
     output to a JSON schema, regex, choice or grammar; the logprobs of a constrained request are those of
     the constrained distribution (the model's logits with the tokens its grammar forbids masked out).
+    ``speculative`` False opts the request out of the engine's speculative decoding (if it is on).
     """
 
     n: int = 1
@@ -74,6 +75,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -83,6 +85,7 @@ class SamplingParams:
         self._validate_lengths()
         self._validate_outputs()
         self._validate_token_ids()
+        _require(isinstance(self.speculative, bool), "speculative", "True or False", self.speculative)
 
     def _validate_sampling(self) -> None:
         _require(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)

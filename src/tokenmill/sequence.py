@@ -7,10 +7,14 @@ scheduler, the KV cache and the runner handle alone, and the engine gathers thei
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tokenmill.outputs import RowLogprobs
+from tokenmill.outputs import RowLogprobs, SpecDecodeCounts
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.backend import GrammarMatcher
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -49,6 +53,13 @@ class Sequence:
     index: int = 0  # which of the n sequences this is
     prompt_logprobs: list[RowLogprobs] = field(default_factory=list)  # filled as the prompt is computed
     grammar: GrammarMatcher | None = None  # with structured outputs: where its output is in its grammar
+    # Speculative decoding: the proposer's guesses of the next tokens (and, from a draft model, the
+    # ``[k, V]`` distributions they were drawn from; None: one-hot), taken by the next schedule(), which
+    # appends the ones that fit to ``token_ids`` as provisional tokens until the step has verified them.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: "torch.Tensor | None" = None
+    num_draft_tokens: int = 0  # provisional tokens at the end of ``token_ids``
+    spec: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)  # its speculative steps
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -69,11 +80,30 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - len(self.prompt_token_ids) - self.num_draft_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
+        """The generated tokens, without provisional (draft) ones."""
+        return self.token_ids[len(self.prompt_token_ids) : len(self.token_ids) - self.num_draft_tokens]
+
+    @property
+    def draft_tokens(self) -> list[int]:
+        """The provisional tokens this step verifies."""
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
+    def attach_drafts(self, count: int) -> None:
+        """Append the first ``count`` proposed tokens as provisional tokens; drop the proposal."""
+        self.token_ids.extend(self.draft_token_ids[:count])
+        self.num_draft_tokens = count
+        self.draft_token_ids = []
+
+    def drop_drafts(self) -> None:
+        """Remove the provisional tokens (verified, or never run)."""
+        if self.num_draft_tokens:
+            del self.token_ids[-self.num_draft_tokens :]
+        self.num_draft_tokens = 0
+        self.draft_probs = None
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -89,9 +119,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def banned_token_ids(self) -> list[int]:
-        """Tokens that may not end the output yet: EOS and stop tokens until ``min_tokens`` are out."""
-        if self.num_output_tokens >= self.params.min_tokens:
+    def banned_token_ids(self, num_output_tokens: int | None = None) -> list[int]:
+        """Tokens that may not end the output yet: EOS and stop tokens until ``min_tokens`` are out
+        (``num_output_tokens``: at a later position than now, for a draft token's row)."""
+        if num_output_tokens is None:
+            num_output_tokens = self.num_output_tokens
+        if num_output_tokens >= self.params.min_tokens:
             return []
         eos = [] if self.params.ignore_eos else sorted(self.eos_token_ids)
         return eos + list(self.params.stop_token_ids)

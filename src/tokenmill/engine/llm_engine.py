@@ -7,6 +7,7 @@ scheduler what to run, has the runner execute it, and hands the result back to t
 ``add_request`` and ``abort`` may be called between steps.
 """
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -41,6 +42,8 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.output import SchedulerStats
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.sequence import FinishReason, Sequence
+from tokenmill.speculative.factory import create_proposer
+from tokenmill.speculative.proposer import propose_drafts
 from tokenmill.structured.backend import CompiledGrammar
 from tokenmill.structured.manager import StructuredOutputs
 from tokenmill.tokenizer import Tokenizer
@@ -98,6 +101,7 @@ class LLMEngine:
         )
         self.runner = self._build_runner()
         self.kv_cache: KVCache = self.runner.kv
+        self.proposer = create_proposer(self.config, self.loaded, self.max_model_len)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache.manager, self.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self.texts: dict[Sequence, StopStringDetokenizer] = {}
@@ -136,7 +140,8 @@ class LLMEngine:
             self.max_model_len,
             graph_sizes=cuda_graph_sizes(self.config, device),
             logits_in_graph=graphs.logits,
-            overlap=bool(graphs.overlap_decode),
+            # verification steps run eagerly, so no decode step is started ahead while speculating
+            overlap=bool(graphs.overlap_decode) and self.config.speculative.method is None,
             structured=self.structured_outputs,
         )
 
@@ -287,6 +292,8 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        if self.proposer is not None:
+            propose_drafts(self.proposer, self.scheduler.running, self.max_model_len)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             deltas, self._pending = self._pending, []
@@ -296,10 +303,19 @@ class LLMEngine:
             self.runner.start_next_step(step)
         result = step.result()
         deltas, self._pending = self._pending, []
-        for seq, token, logprobs in self.scheduler.update(scheduled, result):
+        sampled = self.scheduler.update(scheduled, result)
+        remaining = collections.Counter(seq for seq, _, _ in sampled)  # tokens of each still to come
+        cut: set[Sequence] = set()  # sequences a stop string ended before their last token of this step
+        for seq, token, logprobs in sampled:
+            remaining[seq] -= 1
+            if seq in cut:
+                continue
             if seq.grammar is not None:
                 self._advance_grammar(seq, token)
-            deltas.append(self._token_delta(seq, token, logprobs))
+            delta, stopped = self._token_delta(seq, token, logprobs, remaining[seq])
+            deltas.append(delta)
+            if stopped:
+                cut.add(seq)
         if self.config.debug_checks:
             self.scheduler.check_integrity()
         return self._forget_finished(deltas)
@@ -316,21 +332,41 @@ class LLMEngine:
         if not seq.is_finished:
             self.scheduler.finish(seq, FinishReason.STOP)
 
-    def _token_delta(self, seq: Sequence, token: int, logprobs: RowLogprobs | None) -> RequestDelta:
-        """The delta of a newly sampled token: its text, and the end of the sequence at a stop string."""
+    def _token_delta(
+        self, seq: Sequence, token: int, logprobs: RowLogprobs | None, num_later: int = 0
+    ) -> tuple[RequestDelta, bool]:
+        """The delta of a newly sampled token: its text, and the end of the sequence at a stop string
+        (``num_later``: tokens the same step appended after this one, dropped if it ends here); and
+        whether a stop string ended it here."""
         text = self.texts[seq]
-        stop_string = text.append([token], check_stop=seq.num_output_tokens >= seq.params.min_tokens)
-        if stop_string is not None and not seq.is_finished:
-            self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop_string)
-        elif seq.is_finished:
+        num_output = seq.num_output_tokens - num_later
+        stop_string = text.append([token], check_stop=num_output >= seq.params.min_tokens)
+        stopped = stop_string is not None and (num_later > 0 or not seq.is_finished)
+        if stopped:
+            self._stop_at(seq, stop_string, num_later)
+        last = stopped or num_later == 0  # the sequence's last token of this step
+        if seq.is_finished and last and not stopped:
             text.finish()
-        delta = self._delta(seq, [token], logprobs)
+        delta = self._delta(seq, [token], logprobs, last)
         if seq.num_output_tokens == 1 and seq.params.prompt_logprobs is not None:
             delta.prompt_logprobs = [None, *seq.prompt_logprobs]
-        return delta
+        return delta, stopped
 
-    def _delta(self, seq: Sequence, tokens: list[int], logprobs: RowLogprobs | None) -> RequestDelta:
-        finished = seq.is_finished
+    def _stop_at(self, seq: Sequence, stop_string: str | None, num_later: int) -> None:
+        """End ``seq`` at a stop string, dropping the ``num_later`` tokens after it (a verification step
+        may have appended them, and may have ended the sequence at the last by length)."""
+        if seq.is_finished:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_string
+        else:
+            self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop_string)
+        if num_later:
+            del seq.token_ids[-num_later:]
+
+    def _delta(
+        self, seq: Sequence, tokens: list[int], logprobs: RowLogprobs | None, last: bool = True
+    ) -> RequestDelta:
+        """``last``: no later token of this step follows (only the last one reports the end)."""
+        finished = seq.is_finished and last
         return RequestDelta(
             request_id=seq.request_id,
             index=seq.index,
@@ -342,6 +378,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            spec_decode=dataclasses.replace(seq.spec) if self.proposer is not None else None,
         )
 
     def _forget_finished(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
@@ -366,7 +403,8 @@ class LLMEngine:
 
     def scheduler_stats(self) -> SchedulerStats:
         """A copy of the scheduler's counters: preemptions, prefix-cache queries and hits (in tokens)."""
-        return dataclasses.replace(self.scheduler.stats)
+        stats = self.scheduler.stats
+        return dataclasses.replace(stats, spec_decode=dataclasses.replace(stats.spec_decode))
 
     def kv_cache_usage(self) -> float:
         return self.kv_cache.manager.usage()

@@ -28,6 +28,7 @@ from tokenmill.runner.sampler import (
 from tokenmill.runner.step_inputs import attention_metadata, build_step_arrays, pack_to_device
 from tokenmill.scheduler.output import ScheduledChunk, StepResult
 from tokenmill.sequence import Sequence as Seq
+from tokenmill.speculative.verification import verify_step
 from tokenmill.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class PendingStep:
             logprobs = list(self.sampled.logprobs.to_rows(num_top))
         for chunk, token, entry in zip(self.chunks, token_ids, logprobs, strict=True):
             wanted = chunk.seq.params.logprobs is not None
-            self._result.sampled[chunk.seq] = (token, entry if wanted else None)
+            self._result.sampled[chunk.seq] = [(token, entry if wanted else None)]
         return self._result
 
 
@@ -115,18 +116,33 @@ class ModelRunner:
             return PendingStep(chunks, self._sample(chunks, logits, argmax), StepResult())
         if graphs is not None:
             graphs.drop_started_step()
-        arrays = build_step_arrays(chunks, self.kv.manager)
+        hidden, sample_rows = self._forward(chunks)
         sampled_chunks = [chunk for chunk in chunks if chunk.samples_next_token]
+        result = StepResult(prompt_logprobs=self._prompt_logprobs(chunks, hidden))
+        if not sampled_chunks:
+            return PendingStep(sampled_chunks, None, result)
+        logits = self.model.compute_logits(hidden[sample_rows])
+        if any(chunk.num_draft_tokens for chunk in sampled_chunks):  # speculative: verify, eagerly
+            result.sampled = verify_step(sampled_chunks, logits, self.vocab_size, self.structured)
+            return PendingStep(sampled_chunks, None, result)
+        return PendingStep(sampled_chunks, self._sample(sampled_chunks, logits), result)
+
+    @torch.inference_mode()
+    def logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """An eager forward pass over ``chunks`` and the logits of their sampled rows (a draft model's
+        step: its proposer samples them itself)."""
+        hidden, sample_rows = self._forward(chunks)
+        return self.model.compute_logits(hidden[sample_rows])
+
+    def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states of an eager step over ``chunks``, and the rows whose logits it needs."""
+        arrays = build_step_arrays(chunks, self.kv.manager)
         dev = pack_to_device(arrays, self.device)
         max_query_len = max(chunk.num_tokens for chunk in chunks)
         metadata = attention_metadata(dev, max_query_len, max(chunk.end for chunk in chunks))
         with forward_context(ForwardContext(metadata, self.backend, self.kv.layers)):
             hidden = self.model(dev["input_ids"], dev["positions"])
-        result = StepResult(prompt_logprobs=self._prompt_logprobs(chunks, hidden))
-        if not sampled_chunks:
-            return PendingStep(sampled_chunks, None, result)
-        logits = self.model.compute_logits(hidden[dev["sample_rows"]])
-        return PendingStep(sampled_chunks, self._sample(sampled_chunks, logits), result)
+        return hidden, dev["sample_rows"]
 
     def can_start_next_step(self, step: PendingStep) -> bool:
         """Whether the decode step after ``step`` can be enqueued before ``step`` is read: ``step`` ran

@@ -125,7 +125,7 @@ def build_step_arrays(
         "positions": _padded(starts[seq_of_token] + offsets, pad, 0),
         "seq_lens": _padded(ends.astype(np.int32), pad, PADDING_SEQ_LEN),
         "query_start_loc": query_start_loc,
-        "sample_rows": query_start_loc[1:][:num_seqs][_sampled(chunks)].astype(np.int64) - 1,
+        "sample_rows": _sample_rows(chunks, query_start_loc[1:][:num_seqs].astype(np.int64)),
     }
     if with_token_ids:
         ids = itertools.chain.from_iterable(c.seq.token_ids[c.start : c.end] for c in chunks)
@@ -138,8 +138,13 @@ def build_step_arrays(
     return arrays
 
 
-def _sampled(chunks: Sequence[ScheduledChunk]) -> np.ndarray:
-    return np.fromiter((chunk.samples_next_token for chunk in chunks), bool, len(chunks))
+def _sample_rows(chunks: Sequence[ScheduledChunk], chunk_ends: np.ndarray) -> np.ndarray:
+    """The rows whose logits the step needs: the last row of each chunk that samples, and with draft
+    tokens the rows before it that verify them (``num_sampled_rows`` each, in order)."""
+    counts = np.fromiter((chunk.num_sampled_rows for chunk in chunks), np.int64, len(chunks))
+    firsts = np.repeat(chunk_ends - counts, counts)
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return firsts + within
 
 
 def _padded(values: np.ndarray, pad: int, fill: int) -> np.ndarray:

@@ -2,17 +2,19 @@
 
 from dataclasses import dataclass, field
 
-from tokenmill.outputs import RowLogprobs
+from tokenmill.outputs import RowLogprobs, SpecDecodeCounts
 from tokenmill.sequence import Sequence
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens ``start:end`` of ``seq`` run this step."""
+    """Tokens ``start:end`` of ``seq`` run this step; the last ``num_draft_tokens`` of them are a
+    proposer's guesses (speculative decoding), verified by the step."""
 
     seq: Sequence
     start: int
     end: int
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -22,6 +24,11 @@ class ScheduledChunk:
     def samples_next_token(self) -> bool:
         """After this chunk every token is computed, so the step samples the next one."""
         return self.end == self.seq.num_tokens
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Positions whose logits the step needs: the last one, and one per draft token before it."""
+        return 1 + self.num_draft_tokens if self.samples_next_token else 0
 
 
 @dataclass
@@ -40,10 +47,11 @@ class SchedulerOutput:
 
 @dataclass
 class StepResult:
-    """What one executed step produced: a token (and its logprobs, if asked for) per sampled sequence,
-    and the logprobs of the prompt positions its chunks computed, for sequences that asked for them."""
+    """What one executed step produced: the tokens (and their logprobs, if asked for) of each sampled
+    sequence, one or (verifying draft tokens) more, and the logprobs of the prompt positions its chunks
+    computed, for sequences that asked for them."""
 
-    sampled: dict[Sequence, tuple[int, RowLogprobs | None]] = field(default_factory=dict)
+    sampled: dict[Sequence, list[tuple[int, RowLogprobs | None]]] = field(default_factory=dict)
     prompt_logprobs: dict[Sequence, list[RowLogprobs]] = field(default_factory=dict)
 
 
@@ -54,3 +62,4 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at first admission
     prefix_cache_hits: int = 0  # of those, tokens whose KV was found there
+    spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)

@@ -2,7 +2,10 @@
 
 One rule covers every case: each sequence has ``token_ids`` and ``num_computed_tokens``, and a step
 gives each scheduled sequence its uncomputed tokens (a whole prompt, or the one token sampled last step)
-under a token budget. With ``chunked_prefill`` a prompt may take just what is left of the budget (or
+under a token budget. With speculative decoding a decoding sequence's uncomputed tokens are its last
+token and the proposer's guesses after it, appended as provisional tokens: the step computes them all and
+``update`` keeps the ones the rejection sampler accepted (giving back the others' KV slots). With
+``chunked_prefill`` a prompt may take just what is left of the budget (or
 ``prefill_chunk_size``) and continue next step, so long prompts run alongside decodes instead of
 stalling them. Running sequences go first, in serving order; when the KV cache cannot hold their next
 tokens the last running sequence is preempted (its blocks freed, its tokens kept, recomputed later).
@@ -20,7 +23,7 @@ from collections import abc
 
 from tokenmill.cache.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from tokenmill.config import SchedulerConfig
-from tokenmill.outputs import RowLogprobs
+from tokenmill.outputs import RowLogprobs, SpecDecodeCounts
 from tokenmill.scheduler.admission import create_admission_rule
 from tokenmill.scheduler.output import ScheduledChunk, SchedulerOutput, SchedulerStats, StepResult
 from tokenmill.scheduler.queues import create_queues
@@ -72,8 +75,11 @@ class Scheduler:
         return num_tokens if num_tokens <= budget else 0
 
     def _schedule_running(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        if seq.draft_token_ids:
+            self._attach_drafts(seq, budget)
         num_tokens = self._chunk_size(seq.num_uncomputed_tokens, budget)
         if num_tokens == 0:
+            seq.drop_drafts()
             return 0
         end = seq.num_computed_tokens + num_tokens
         while not self.kv.allocate(seq, end):
@@ -81,8 +87,24 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return 0
-        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, end))
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, end, seq.num_draft_tokens))
         return num_tokens
+
+    def _attach_drafts(self, seq: Sequence, budget: int) -> None:
+        """Append as many of the proposed tokens as fit after the last one: in the budget (and the chunk
+        cap), before ``max_tokens`` and the context end, and in free KV blocks (a guess never preempts)."""
+        room = min(
+            len(seq.draft_token_ids),
+            budget - 1,
+            (self.config.prefill_chunk_size or budget) - 1 if self.config.chunked_prefill else budget,
+            seq.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - seq.num_tokens - 1,
+        )
+        while room > 0 and self.kv.blocks_needed(seq, seq.num_tokens + room) > self.kv.num_free_blocks:
+            room -= 1
+        if seq.num_uncomputed_tokens != 1:
+            room = 0
+        seq.attach_drafts(max(room, 0))
 
     def _may_admit(self, out: SchedulerOutput) -> bool:
         if out.preempted:
@@ -144,6 +166,7 @@ class Scheduler:
         self.kv.free(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.drop_drafts()
         self.queues.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
@@ -160,19 +183,46 @@ class Scheduler:
     ) -> list[tuple[Sequence, int, RowLogprobs | None]]:
         """Take in what the step computed: advance each sequence, offer its full blocks to the prefix
         cache, append the sampled tokens and finish the sequences a token ends (stop token, EOS,
-        ``max_tokens``). Returns (sequence, token, logprobs) for every sampled token, in step order."""
+        ``max_tokens``; a token after the one that ends it is dropped). Draft tokens the step rejected
+        give their KV slots back. Returns (sequence, token, logprobs) for every kept token, in step order."""
         sampled = []
         for chunk in scheduled.chunks:
             seq = chunk.seq
-            seq.num_computed_tokens = self.kv.tokens_kept(chunk.end)
+            tokens = result.sampled.get(seq, [])
+            end = chunk.end
+            if chunk.num_draft_tokens:
+                end -= self._settle_drafts(chunk, len(tokens) - 1)
+            computed = self.kv.tokens_kept(end)
+            seq.num_computed_tokens = min(computed, seq.num_tokens)
             if chunk.start < seq.num_prompt_tokens:  # prompt blocks are shared as soon as computed
                 self.kv.cache_full_blocks(seq)
             seq.prompt_logprobs.extend(result.prompt_logprobs.get(seq, []))
-            if seq in result.sampled:
-                token, logprobs = result.sampled[seq]
+            num_kept = 0
+            for token, logprobs in tokens:
+                if seq.is_finished:
+                    break
+                seq.num_computed_tokens = min(computed, seq.num_tokens)  # an accepted draft's KV is kept
                 self._append_token(seq, token)
                 sampled.append((seq, token, logprobs))
+                num_kept += 1
+            if not seq.is_finished:
+                seq.num_computed_tokens = min(computed, seq.num_tokens)
+            if chunk.num_draft_tokens:
+                seq.spec.num_emitted += num_kept
+                self.stats.spec_decode.num_emitted += num_kept
         return sampled
+
+    def _settle_drafts(self, chunk: ScheduledChunk, num_accepted: int) -> int:
+        """Remove ``chunk``'s provisional tokens (the accepted ones come back as sampled tokens), give back
+        the rejected ones' KV slots and count the step; returns how many were rejected."""
+        seq = chunk.seq
+        rejected = chunk.num_draft_tokens - num_accepted
+        seq.drop_drafts()
+        self.kv.rollback(seq, rejected)
+        step = SpecDecodeCounts(1, chunk.num_draft_tokens, num_accepted, 0)
+        seq.spec.add(step)
+        self.stats.spec_decode.add(step)
+        return rejected
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.append_token(token)
@@ -185,6 +235,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """Retire ``seq`` (finished or aborted) and free its blocks at once."""
+        seq.drop_drafts()
+        seq.draft_token_ids = []
         if seq.status is SequenceStatus.RUNNING:
             self.queues.running.remove(seq)
         elif seq in self.queues.waiting:

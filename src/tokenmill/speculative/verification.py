@@ -1,0 +1,106 @@
+"""The runner's side of speculative decoding: a step's logits at every verified position to kept tokens.
+
+A chunk with ``k`` draft tokens has ``k + 1`` logit rows: row ``i`` predicts the token after draft token
+``i`` (row 0: after the last real token). Each row is sampled as a plain step would sample that position
+if the drafts before it were the output so far: penalties count them, ``min_tokens`` counts them, a seeded
+row's key counts them. Chunks without drafts in the same step are one row each, sampled alike.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from tokenmill.outputs import RowLogprobs
+from tokenmill.runner.sampler import SamplingBatch, SamplingRow, gather_logprobs
+from tokenmill.scheduler.output import ScheduledChunk
+from tokenmill.sequence import Sequence as Seq
+from tokenmill.speculative.rejection import RowNoise, accepted_prefixes, distributions, verify
+from tokenmill.structured.bitmask import apply_token_bitmask
+from tokenmill.structured.manager import StructuredOutputs
+
+
+def verification_rows(seq: Seq, num_drafts: int) -> list[SamplingRow]:
+    """The sampling rows of ``seq``'s last token and its ``num_drafts`` provisional tokens."""
+    output = seq.output_token_ids
+    drafts = seq.draft_tokens[:num_drafts]
+    return [
+        SamplingRow(
+            seq.params,
+            seq.prompt_token_ids,
+            output + drafts[:i],
+            seq.banned_token_ids(len(output) + i),
+        )
+        for i in range(num_drafts + 1)
+    ]
+
+
+def verify_step(
+    chunks: Sequence[ScheduledChunk],
+    logits: torch.Tensor,
+    vocab_size: int,
+    structured: StructuredOutputs | None,
+) -> dict[Seq, list[tuple[int, RowLogprobs | None]]]:
+    """The tokens each sampled chunk keeps (``logits``: ``chunk.num_sampled_rows`` rows per chunk)."""
+    seqs = [chunk.seq for chunk in chunks]
+    rows = [row for chunk in chunks for row in verification_rows(chunk.seq, chunk.num_draft_tokens)]
+    counts = [chunk.num_sampled_rows for chunk in chunks]
+    grammars = [seq.grammar for seq, count in zip(seqs, counts, strict=True) for _ in range(count)]
+    bitmask = None
+    if any(grammar is not None for grammar in grammars):
+        if structured is None:
+            raise ValueError("a sequence has a grammar but this runner was given no structured outputs")
+        bitmask = structured.bitmask(grammars)
+    device = logits.device
+    batch = SamplingBatch.build(rows, vocab_size, device, bitmask)
+    masked = logits.float()
+    if bitmask is not None:
+        masked = apply_token_bitmask(masked, bitmask)
+    target = distributions(masked, batch)
+    draft_ids, draft_probs = _draft_tensors(chunks, vocab_size, device)
+    seeded = batch.draw.seeded_rows if batch.draw is not None else []
+    accept, tokens = verify(target, draft_ids, draft_probs, RowNoise(seeded))
+    logprobs = _logprobs(masked, tokens, batch)
+    emitted = accepted_prefixes(accept, tokens, counts)
+    out: dict[Seq, list[tuple[int, RowLogprobs | None]]] = {}
+    first = 0
+    for seq, count, kept in zip(seqs, counts, emitted, strict=True):
+        entries = logprobs[first : first + len(kept)] if logprobs else [None] * len(kept)
+        wanted = seq.params.logprobs is not None
+        out[seq] = [(token, entry if wanted else None) for token, entry in zip(kept, entries, strict=True)]
+        first += count
+    return out
+
+
+def _draft_tensors(
+    chunks: Sequence[ScheduledChunk], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's draft token (-1 on a chunk's last row) and, where a draft model gave them, the
+    distributions the draft tokens came from (one-hot for the rows of chunks without)."""
+    ids: list[int] = []
+    for chunk in chunks:
+        ids.extend(chunk.seq.draft_tokens[: chunk.num_draft_tokens])
+        ids.append(-1)
+    draft_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+    if all(chunk.seq.draft_probs is None for chunk in chunks):
+        return draft_ids, None
+    probs = torch.zeros(len(ids), vocab_size, dtype=torch.float32, device=device)
+    row = 0
+    for chunk in chunks:
+        count = chunk.num_draft_tokens
+        given = chunk.seq.draft_probs
+        if count and given is not None:
+            probs[row : row + count] = given[:count].to(device=device, dtype=torch.float32)
+        elif count:
+            probs[torch.arange(row, row + count, device=device), draft_ids[row : row + count]] = 1.0
+        row += count + 1
+    return draft_ids, probs
+
+
+def _logprobs(masked: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[RowLogprobs]:
+    """Every row's logprobs of the token it would emit (raw or grammar-masked logits, as a plain step
+    reports them); empty when no row asked."""
+    num_top = batch.max_num_logprobs
+    if num_top is None:
+        return []
+    tensors = gather_logprobs(torch.log_softmax(masked, dim=-1), tokens, num_top)
+    return tensors.to_rows(batch.num_logprobs)
