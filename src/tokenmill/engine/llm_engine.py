@@ -72,7 +72,11 @@ class KVCacheMemory:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, draft: LoadedModel | None = None
+    ) -> None:
+        """``loaded``: the model, loaded already (else ``config.model`` is loaded); ``draft``: likewise the
+        draft model of ``speculative_method="draft_model"``."""
         started = time.perf_counter()
         self.device = resolve_device(config.device)
         self.loaded = loaded or load_model(
@@ -101,7 +105,9 @@ class LLMEngine:
         )
         self.runner = self._build_runner()
         self.kv_cache: KVCache = self.runner.kv
-        self.proposer = create_proposer(self.config, self.loaded, self.max_model_len)
+        self.proposer = create_proposer(
+            self.config, self.loaded, self.max_model_len, self.kernel_options, draft
+        )
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache.manager, self.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self.texts: dict[Sequence, StopStringDetokenizer] = {}

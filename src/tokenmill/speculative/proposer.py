@@ -1,10 +1,11 @@
 """The proposer interface, and the engine's call into it before each step.
 
-A proposer guesses up to ``k`` next tokens for each decoding sequence (``propose``); it may keep state per
-sequence (a draft model's KV cache), and drops that of sequences it is no longer asked about. A sequence proposes
-only when it is decoding (its one uncomputed token is the last sampled one), may still emit two tokens,
-has no grammar (structured outputs are not speculated: their drafts would need the grammar's approval
-token by token), and has not opted out (``SamplingParams.speculative=False``).
+A proposer guesses up to ``k`` next tokens for each decoding sequence (``propose``); it may keep state
+per sequence (a draft model's KV cache), and drops that of sequences it is no longer asked about. A
+sequence proposes only when it is decoding (its one uncomputed token is the last sampled one), may still
+emit two tokens, has no grammar (structured outputs are not speculated: their drafts would need the
+grammar's approval token by token, so they run plain decode steps), and has not opted out
+(``SamplingParams.speculative=False``).
 """
 
 from abc import ABC, abstractmethod
