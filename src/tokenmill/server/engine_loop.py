@@ -340,6 +340,7 @@ class EngineLoop:
             num_preemptions=scheduler_stats.num_preemptions,
             prefix_cache_queries=scheduler_stats.prefix_cache_queries,
             prefix_cache_hits=scheduler_stats.prefix_cache_hits,
+            spec_decode=scheduler_stats.spec_decode,
         )
 
 

@@ -6,7 +6,7 @@ tokens) is read when ``/metrics`` is scraped. Counters are exposed with the ``_t
 """
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,6 +17,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from tokenmill.outputs import SpecDecodeCounts
 
 # The *_created series only repeat the process start time; vLLM drops them too.
 disable_created_metrics()
@@ -37,6 +39,7 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_decode: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
 
 
 class _EngineStateCollector(Collector):
@@ -69,6 +72,28 @@ class _EngineStateCollector(Collector):
             "Prompt tokens found in the prefix cache at admission.",
             value=state.prefix_cache_hits,
         )
+        yield from _spec_decode_metrics(state.spec_decode)
+
+
+def _spec_decode_metrics(spec: SpecDecodeCounts) -> Iterator[Metric]:
+    """Speculative decoding's counters (zero while it is off); the acceptance rate is
+    accepted / draft tokens, the mean accepted length emitted / num_drafts."""
+    yield CounterMetricFamily(
+        "tokenmill:spec_decode_num_drafts",
+        "Verification steps of sequences with draft tokens.",
+        spec.num_steps,
+    )
+    yield CounterMetricFamily(
+        "tokenmill:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_proposed
+    )
+    yield CounterMetricFamily(
+        "tokenmill:spec_decode_num_accepted_tokens", "Draft tokens the model accepted.", spec.num_accepted
+    )
+    yield CounterMetricFamily(
+        "tokenmill:spec_decode_num_emitted_tokens",
+        "Tokens emitted by verification steps (accepted drafts plus the model's own).",
+        spec.num_emitted,
+    )
 
 
 class ServerMetrics:

@@ -1,0 +1,264 @@
+"""Speculative decoding in the engine: greedy outputs identical to the reference loop (and to the engine
+without speculation) for both proposers, on tiny models of every architecture, under batching,
+preemption, chunked prefill and prefix hits; the config and its errors; the metrics."""
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_helpers import engine_for
+from tiny_models import save_tiny_model, tiny_configs
+from tokenmill import SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.config_flags import parse_speculative_config
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.loading import LoadedModel, load_model
+from tokenmill.reference import greedy_generate
+
+NGRAM = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}
+ARCHITECTURES = sorted(tiny_configs())
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
+    loaded = {}
+    for name in ARCHITECTURES:
+        folder = tmp_path_factory.mktemp(f"spec-{name}")
+        save_tiny_model(name, folder)
+        loaded[name] = load_model(folder, dtype="float32")
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models: dict[str, LoadedModel]) -> LoadedModel:
+    return tiny_models["llama3"]
+
+
+def speculative_engine(target: LoadedModel, draft: LoadedModel | None = None, **options: Any) -> LLMEngine:
+    """An engine over ``target``: n-gram speculation, or with ``draft`` the draft-model proposer."""
+    options.setdefault("device", "cpu")
+    options.setdefault("cpu_kv_cache_gib", 0.25)
+    if draft is None:
+        options = {**NGRAM, **options}
+    else:
+        options["speculative_config"] = {
+            "method": "draft_model",
+            "model": "given",
+            "num_speculative_tokens": 3,
+        }
+    return LLMEngine(EngineConfig().with_options(**options), loaded=target, draft=draft)
+
+
+def repetitive_workload(rng: random.Random, count: int) -> dict[str, tuple[list[int], int]]:
+    """Prompts that repeat a short pattern (prompt lookup finds it), and some that do not."""
+    workload = {}
+    for i in range(count):
+        pattern = [rng.randrange(3, 384) for _ in range(rng.randint(2, 5))]
+        noise = [rng.randrange(3, 384) for _ in range(rng.randint(1, 6))]
+        prompt = noise + pattern * rng.randint(2, 4) if i % 3 else noise * 2
+        workload[f"r{i}"] = (prompt, rng.randint(4, 24))
+    return workload
+
+
+def run_workload(
+    engine: LLMEngine, workload: dict[str, tuple[list[int], int]], seed: int = 0
+) -> dict[str, list[int]]:
+    """Add the requests a few at a time between steps (continuous batching); greedy, EOS ignored."""
+    rng = random.Random(seed)
+    arrivals = list(workload)
+    outputs: dict[str, list[int]] = {rid: [] for rid in workload}
+    while arrivals or engine.has_unfinished_requests():
+        for _ in range(rng.randint(1, 3)):
+            if arrivals:
+                rid = arrivals.pop(0)
+                prompt, max_tokens = workload[rid]
+                engine.add_request(
+                    rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                )
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+    return outputs
+
+
+def assert_matches_reference(
+    target: LoadedModel, workload: dict[str, tuple[list[int], int]], outputs: dict[str, list[int]]
+) -> None:
+    for rid, (prompt, max_tokens) in workload.items():
+        assert outputs[rid] == greedy_generate(target.model, prompt, max_tokens).token_ids, rid
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("proposer", ["ngram", "self-draft"])
+def test_greedy_speculation_matches_the_reference_on_every_architecture(
+    tiny_models, architecture, proposer
+) -> None:  # type: ignore[no-untyped-def]
+    target = tiny_models[architecture]
+    workload = repetitive_workload(random.Random(3), 6)
+    engine = speculative_engine(
+        target, target if proposer == "self-draft" else None, max_num_seqs=4, debug_checks=True
+    )
+    outputs = run_workload(engine, workload)
+    assert_matches_reference(target, workload, outputs)
+    spec = engine.scheduler_stats().spec_decode
+    assert spec.num_proposed > 0 and spec.num_accepted > 0
+    if proposer == "self-draft":  # the draft is the model: every greedy guess is the model's token
+        assert spec.num_accepted == spec.num_proposed
+    assert engine.kv_cache.manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("chunked", "prefix_caching", "tight_pool"),
+    [(False, False, False), (True, True, False), (True, False, True), (False, True, True)],
+)
+@pytest.mark.parametrize("proposer", ["ngram", "other-draft"])
+def test_greedy_speculation_survives_chunking_prefix_hits_and_preemption(
+    tiny_models, chunked, prefix_caching, tight_pool, proposer
+) -> None:  # type: ignore[no-untyped-def]
+    target = tiny_models["llama3"]
+    draft = tiny_models["qwen2"] if proposer == "other-draft" else None  # same vocabulary, other weights
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 384) for _ in range(12)]
+    workload = {
+        rid: (shared + prompt, max_tokens)
+        for rid, (prompt, max_tokens) in repetitive_workload(rng, 12).items()
+    }
+    engine = speculative_engine(
+        target,
+        draft,
+        kv_cache="paged",
+        block_size=4,
+        num_kv_blocks=14 if tight_pool else 200,
+        max_num_seqs=6,
+        max_num_batched_tokens=16 if chunked else 64,
+        max_model_len=64,
+        chunked_prefill=chunked,
+        prefill_chunk_size=5 if chunked else None,
+        prefix_caching=prefix_caching,
+        debug_checks=True,
+    )
+    outputs = run_workload(engine, workload, seed=5)
+    assert_matches_reference(target, workload, outputs)
+    stats = engine.scheduler_stats()
+    assert stats.spec_decode.num_proposed > 0
+    assert stats.spec_decode.num_accepted < stats.spec_decode.num_proposed or proposer == "ngram"
+    assert (stats.num_preemptions > 0) == tight_pool
+    assert (stats.prefix_cache_hits > 0) == prefix_caching
+    assert engine.kv_cache.manager.num_used_blocks == 0
+
+
+def test_priority_preemption_with_speculation_keeps_greedy_outputs(tiny) -> None:  # type: ignore[no-untyped-def]
+    workload = repetitive_workload(random.Random(2), 8)
+    engine = speculative_engine(
+        tiny,
+        kv_cache="paged",
+        block_size=4,
+        num_kv_blocks=12,
+        max_num_seqs=3,
+        scheduling_policy="priority",
+        debug_checks=True,
+    )
+    outputs: dict[str, list[int]] = {rid: [] for rid in workload}
+    for index, (rid, (prompt, max_tokens)) in enumerate(workload.items()):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(rid, prompt, params, priority=-index)  # later arrivals preempt earlier ones
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+    assert_matches_reference(tiny, workload, outputs)
+    assert engine.scheduler_stats().num_preemptions > 0
+
+
+def test_max_tokens_eos_and_stop_tokens_end_a_multi_token_step_exactly(tiny) -> None:  # type: ignore[no-untyped-def]
+    """A token after the one that ends the sequence is dropped, whatever the verification accepted."""
+    prompt = [5, 6, 7, 8] * 4
+    reference = greedy_generate(tiny.model, prompt, 30).token_ids
+    stop_token = reference[9]
+    first_stop = reference.index(stop_token)
+    for params, expected, reason in [
+        (SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), reference[:7], "length"),
+        (
+            SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token]),
+            reference[: first_stop + 1],
+            "stop",
+        ),
+    ]:
+        engine = speculative_engine(tiny)
+        engine.add_request("r", prompt, params)
+        tokens, finish = [], None
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens += delta.new_token_ids
+                finish = delta.finish_reason or finish
+        assert (tokens, finish) == (expected, reason)
+        assert engine.scheduler_stats().spec_decode.num_proposed > 0
+
+
+def test_opted_out_requests_and_structured_ones_do_not_speculate(tiny) -> None:  # type: ignore[no-untyped-def]
+    engine = speculative_engine(tiny)
+    prompt = [5, 6, 7, 8] * 4
+    engine.add_request(
+        "r", prompt, SamplingParams(temperature=0, max_tokens=20, speculative=False, ignore_eos=True)
+    )
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler_stats().spec_decode.num_steps == 0
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative="yes")  # type: ignore[arg-type]
+
+
+def test_speculative_config_as_vllm_takes_it_and_its_errors() -> None:
+    config = EngineConfig().with_options(speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("ngram", 5)
+    assert EngineConfig().speculative.method is None  # off by default
+    drafted = EngineConfig().with_options(speculative_config={"model": "smollm2"})
+    assert drafted.speculative.method == "draft_model"
+    with pytest.raises(ValueError, match="unknown key.*'k'"):
+        EngineConfig().with_options(speculative_config={"method": "ngram", "k": 3})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig().with_options(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="speculative_model"):
+        EngineConfig().with_options(speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="prompt_lookup_max"):
+        EngineConfig().with_options(speculative_method="ngram", prompt_lookup_min=4, prompt_lookup_max=2)
+    assert parse_speculative_config('{"method": "ngram"}') == {"method": "ngram"}
+    for bad in ("{method: ngram}", "[1]", '{"method": "eagle"}'):
+        with pytest.raises(Exception, match="JSON|object|speculative_method"):
+            parse_speculative_config(bad)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    AutoModelForCausalLM.from_config(
+        LlamaConfig(
+            vocab_size=100,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=512,
+        )
+    ).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative_engine(tiny, load_model(tmp_path, dtype="float32"))
+
+
+def test_request_metrics_count_drafts_and_accepted_tokens(tiny) -> None:  # type: ignore[no-untyped-def]
+    from tokenmill.llm import LLM
+
+    llm = LLM(engine=speculative_engine(tiny))
+    out = llm.generate(
+        {"prompt_token_ids": [5, 6, 7, 8] * 4}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    )[0]
+    metrics = out.metrics
+    assert metrics["spec_decode_num_draft_tokens"] > 0
+    assert metrics["spec_decode_num_accepted_tokens"] <= metrics["spec_decode_num_draft_tokens"]
+    steps, emitted = metrics["spec_decode_num_steps"], metrics["spec_decode_num_emitted_tokens"]
+    assert steps + metrics["spec_decode_num_accepted_tokens"] >= emitted >= steps
+    assert emitted <= len(out.outputs[0].token_ids)
+    assert metrics["spec_decode_mean_accepted_length"] == pytest.approx(emitted / steps)
+    assert engine_for(tiny).scheduler_stats().spec_decode.num_steps == 0
