@@ -31,6 +31,8 @@ SLOW_TESTS = frozenset(
         "test_priority.py::test_outputs_under_priority_scheduling_equal_each_request_alone",
         "test_scenarios.py::test_a_tiny_run_reports_every_workload_off_and_on",
         "test_scheduling_features.py::test_greedy_outputs_do_not_depend_on_scheduling_features",
+        "test_rejection_sampler.py::test_sampled_speculative_outputs_follow_the_models_distribution",
+        "test_speculative.py::test_greedy_speculation_survives_chunking_prefix_hits_and_preemption",
         "test_server_load.py::test_concurrent_streams_with_disconnects",
     }
 )
