@@ -117,9 +117,9 @@ def ladder_configs(
         **PLAIN_PATH,
     )
     wanted = {rung.name for rung in selected_rungs(args.rungs)}
-    if loaded.device.type != "cuda":
-        wanted -= {rung.name for rung in RUNGS if rung.cuda_only}
-    return [(rung, config) for rung, config in rung_configs(base, setup, RUNGS) if rung.name in wanted]
+    # Off CUDA the GPU rungs are skipped, and the rungs after them derive without their toggles.
+    runnable = [rung for rung in RUNGS if loaded.device.type == "cuda" or not rung.cuda_only]
+    return [(rung, config) for rung, config in rung_configs(base, setup, runnable) if rung.name in wanted]
 
 
 def _run_peer(

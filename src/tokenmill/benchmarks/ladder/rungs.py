@@ -74,6 +74,12 @@ def _overlap_decode(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
     return config.with_options(overlap_decode=True)
 
 
+def _ngram_speculation(config: EngineConfig, setup: LadderSetup) -> EngineConfig:
+    # Verification steps run eagerly and without overlap: on a workload that does not copy from its
+    # prompts, this rung shows what speculation costs where it cannot help.
+    return config.with_options(speculative_method="ngram", num_speculative_tokens=4)
+
+
 RUNGS: list[Rung] = [
     Rung("recompute", "kv_cache=none, batching=sequential", _recompute),
     Rung("contiguous KV", "kv_cache=contiguous", _contiguous),
@@ -101,6 +107,7 @@ RUNGS: list[Rung] = [
         _programmatic_launch,
         cuda_only=True,
     ),
+    Rung("n-gram speculation", "speculative_method=ngram, num_speculative_tokens=4", _ngram_speculation),
 ]
 
 
