@@ -69,7 +69,7 @@ def run_verify(p: np.ndarray, q: np.ndarray | None, drafts: list[int], copies: i
     rows = len(drafts) + 1
     probs = torch.tensor(np.tile(p, (copies, 1)), dtype=torch.float32)
     target = Distributions(torch.log(probs), probs, torch.zeros(len(probs), dtype=torch.bool))
-    draft_ids = torch.tensor((drafts + [-1]) * copies)
+    draft_ids = torch.tensor([*drafts, -1] * copies)
     draft_probs = None
     if q is not None:
         q_rows = np.concatenate([q, np.zeros((1, p.shape[1]))])
@@ -121,7 +121,7 @@ def test_the_first_emitted_token_is_distributed_as_the_model_whatever_the_drafts
     q = rng.dirichlet(np.ones(vocab) * 0.7, size=1)
     firsts = []
     for draft in range(vocab):
-        share = int(round(copies * q[0, draft]))
+        share = round(copies * q[0, draft])
         if share:
             outcomes = run_verify(p, q if drafted == "draft-distribution" else None, [draft], share)
             firsts += [(out[0],) for out in outcomes]

@@ -216,7 +216,7 @@ def test_speculative_config_as_vllm_takes_it_and_its_errors() -> None:
     assert EngineConfig().speculative.method is None  # off by default
     drafted = EngineConfig().with_options(speculative_config={"model": "smollm2"})
     assert drafted.speculative.method == "draft_model"
-    with pytest.raises(ValueError, match="unknown key.*'k'"):
+    with pytest.raises(ValueError, match=r"unknown key.*'k'"):
         EngineConfig().with_options(speculative_config={"method": "ngram", "k": 3})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig().with_options(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
@@ -226,7 +226,7 @@ def test_speculative_config_as_vllm_takes_it_and_its_errors() -> None:
         EngineConfig().with_options(speculative_method="ngram", prompt_lookup_min=4, prompt_lookup_max=2)
     assert parse_speculative_config('{"method": "ngram"}') == {"method": "ngram"}
     for bad in ("{method: ngram}", "[1]", '{"method": "eagle"}'):
-        with pytest.raises(Exception, match="JSON|object|speculative_method"):
+        with pytest.raises(Exception, match=r"JSON|object|speculative_method"):
             parse_speculative_config(bad)
 
 

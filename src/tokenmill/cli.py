@@ -34,6 +34,10 @@ BENCHMARKS = {
         "tokenmill.benchmarks.structured.command",
         "structured outputs: mask cost per grammar backend, overhead",
     ),
+    "speculative": (
+        "tokenmill.benchmarks.speculative.command",
+        "speculative decoding off / on: n-gram at batch 1 and 64, a draft model's round cost",
+    ),
 }
 # The command line's own temperature: milder than SamplingParams' (and OpenAI's) 1.0, for text that reads
 # well in a terminal from a small model; the server and LLM.generate keep 1.0.

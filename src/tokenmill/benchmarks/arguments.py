@@ -287,6 +287,24 @@ def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--report-dir", type=Path, default=None, help="also write structured.md/.json here")
 
 
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_engine_arguments(parser)
+    group = parser.add_argument_group("n-gram: batch 1 copying prompts, then a batch of open-ended ones")
+    group.add_argument("--skip-ngram", action="store_true", help="no n-gram runs")
+    group.add_argument("--max-tokens", type=int, default=320, help="most tokens per batch-1 answer")
+    group.add_argument("--batch-size", type=int, default=64, help="open-ended prompts run at once")
+    group.add_argument("--batch-output-len", type=int, default=128, help="tokens per open-ended answer")
+    group = parser.add_argument_group("draft model: the cost of a round, the speed-up it implies")
+    group.add_argument("--draft-model", default=None, help="a draft model with the model's vocabulary")
+    group.add_argument("--draft-load-format", default="auto", choices=CHOICES["load_format"])
+    group.add_argument("--draft-num-prompts", type=int, default=3)
+    group.add_argument("--draft-input-len", type=int, default=128)
+    group.add_argument("--draft-output-len", type=int, default=128)
+    group.add_argument("--draft-max-model-len", type=int, default=512)
+    group.add_argument("--report-dir", type=Path, default=None, help="also write speculative.md/.json here")
+
+
 BENCHMARK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "ladder": add_ladder_arguments,
     "latency": add_latency_arguments,
@@ -296,4 +314,5 @@ BENCHMARK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "kernels": add_kernels_arguments,
     "scenarios": add_scenarios_arguments,
     "structured": add_structured_arguments,
+    "speculative": add_speculative_arguments,
 }

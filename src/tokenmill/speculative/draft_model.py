@@ -132,12 +132,12 @@ class DraftModelProposer(Proposer):
         dist = distributions(logits, batch)
         seeded = batch.draw.seeded_rows if batch.draw is not None else []
         tokens = sample_rows(dist, RowNoise([(row, key ^ _DRAFT_KEY_SALT) for row, key in seeded])).tolist()
-        out = []
+        out: list[tuple[Seq, int, torch.Tensor | None]] = []
         for row, (shadow, token) in enumerate(zip(shadows, tokens, strict=True)):
             shadow.num_computed_tokens = shadow.num_tokens
             shadow.token_ids.append(token)
-            greedy = dist.probs is None or shadow.params.is_greedy
-            out.append((shadow, token, None if greedy else dist.probs[row]))
+            probs = None if dist.probs is None or shadow.params.is_greedy else dist.probs[row]
+            out.append((shadow, token, probs))
         return out
 
     def _forget_others(self, seqs: Sequence[Seq]) -> None:

@@ -1,0 +1,1 @@
+"""``tokenmill bench speculative``: decode speed with and without speculative decoding, same run."""

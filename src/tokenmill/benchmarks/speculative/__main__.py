@@ -1,0 +1,3 @@
+from tokenmill.benchmarks.speculative.command import main
+
+raise SystemExit(main())

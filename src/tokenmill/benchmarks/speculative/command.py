@@ -1,0 +1,193 @@
+"""``tokenmill bench speculative``: decode speed with and without speculative decoding, in the same run.
+
+**n-gram** (prompt lookup, on by default): batch-1 greedy decode tokens/s of chat prompts whose answers
+copy from the prompt — code editing (rename, type hints, docstrings over a 30-line class) and a copy-heavy
+mix (rewrites, summaries, QA over a given text, typo fixes, records to JSON) — speculation off and on,
+each prompt alone, with acceptance and tokens per verification step; then a batch of open-ended prompts
+(nothing to copy) all at once, output tokens/s off and on: what speculation costs where it cannot help.
+Off and on must produce the same greedy tokens at batch 1 (checked; no numbers otherwise).
+
+**draft model** (``--draft-model``): the cost of a round (k draft steps + one verification) against a plain
+decode step of the target, and the speed-up that implies at acceptance 0.5 / 0.7 / 0.9; and the check of
+that formula with the target drafting for itself (every greedy guess accepted). See ``draft_cost``.
+
+    tokenmill bench speculative --dtype float32 --threads 2 --report-dir reports/speculative-cpu
+    tokenmill bench speculative --dtype bfloat16 --skip-ngram --model llama-3.1-8b --load-format dummy \\
+        --draft-model llama-3.2-1b --draft-load-format dummy
+"""
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenmill.benchmarks import common
+from tokenmill.benchmarks.arguments import add_speculative_arguments as add_arguments
+from tokenmill.benchmarks.report import (
+    Hardware,
+    describe_model,
+    detect_hardware,
+    header_lines,
+    markdown_table,
+    provenance,
+    write_json,
+)
+from tokenmill.benchmarks.speculative import prompts
+from tokenmill.benchmarks.speculative.draft_cost import draft_model_costs
+from tokenmill.benchmarks.speculative.timing import TimedRun, all_at_once, one_at_a_time
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.loading import LoadedModel
+from tokenmill.sampling_params import SamplingParams
+
+TARGETS = {"code editing": 2.0, "copy mix": 1.5, "open-ended": 0.95}
+
+
+def run(args: argparse.Namespace) -> int:
+    loaded = common.load_for_args(args)
+    hardware = detect_hardware(loaded.device)
+    print(f"hardware: {hardware.describe()}\nmodel: {describe_model(loaded)}", flush=True)
+    lines: list[str] = []
+    runs: list[TimedRun] = []
+    if not args.skip_ngram:
+        result = ngram_part(args, loaded)
+        if result is None:
+            return 1
+        runs, ngram_lines = result
+        lines += ngram_lines
+    if args.draft_model is not None:
+        lines += draft_model_costs(args, loaded, _engine_config(args, loaded, args.draft_max_model_len))
+    if args.report_dir is not None:
+        save(args.report_dir, hardware, lines, runs)
+    return 0
+
+
+def _engine_config(args: argparse.Namespace, loaded: LoadedModel, max_model_len: int) -> EngineConfig:
+    return common.base_engine_config(args, loaded, max_model_len).with_options(**common.engine_options(args))
+
+
+def ngram_part(args: argparse.Namespace, loaded: LoadedModel) -> tuple[list[TimedRun], list[str]] | None:
+    base = _engine_config(args, loaded, args.max_model_len or 2048)
+    spec = base.speculative
+    on = base.with_options(
+        speculative_method="ngram", num_speculative_tokens=spec.num_speculative_tokens, speculative_model=None
+    )
+    off = base.with_options(speculative_method=None, speculative_model=None)
+    engines = {"off": LLMEngine(off, loaded=loaded), "on": LLMEngine(on, loaded=loaded)}
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    workloads = {"code editing": prompts.CODE_EDITING, "copy mix": prompts.COPY_MIX}
+    runs: list[TimedRun] = []
+    for engine in engines.values():  # warm-up: oneDNN's first calls, the allocator
+        one_at_a_time(
+            "warm-up", engine, [_chat(loaded, "Say hi.")], SamplingParams(temperature=0, max_tokens=8)
+        )
+    for name, texts in workloads.items():
+        chats = [_chat(loaded, text) for text in texts]
+        pair = [one_at_a_time(f"{name}, {side}", engine, chats, greedy) for side, engine in engines.items()]
+        print(describe_pair(name, *pair), flush=True)
+        if pair[0].outputs != pair[1].outputs:
+            print(f"CORRECTNESS CHECK FAILED: {name}: greedy tokens differ with speculation", file=sys.stderr)
+            return None
+        runs += pair
+    open_chats = [_chat(loaded, text) for text in prompts.open_ended(args.batch_size)]
+    batch = SamplingParams(temperature=0, max_tokens=args.batch_output_len, ignore_eos=True)
+    pair = [all_at_once(f"open-ended, {side}", engine, open_chats, batch) for side, engine in engines.items()]
+    print(describe_pair("open-ended", *pair), flush=True)
+    runs += pair
+    workload = (
+        f"SmolLM2-style chat prompts, greedy; batch 1: {len(prompts.CODE_EDITING)} code-editing and "
+        f"{len(prompts.COPY_MIX)} copy-heavy prompts, up to {args.max_tokens} tokens each; batch "
+        f"{args.batch_size}: open-ended prompts, {args.batch_output_len} tokens each (EOS ignored); "
+        f"n-gram k={spec.num_speculative_tokens}, n={spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
+    )
+    header = header_lines(
+        "tokenmill speculative decoding (n-gram)",
+        workload,
+        describe_model(loaded),
+        "the same engine with speculation off, same run",
+    )
+    return runs, [*header, "", *render(runs, args.batch_size)]
+
+
+def _chat(loaded: LoadedModel, text: str) -> list[int]:
+    if loaded.tokenizer is None:
+        raise ValueError(
+            "the n-gram part needs a tokenizer with a chat template (add --tokenizer, or --skip-ngram)"
+        )
+    return loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], True, tokenize=True)
+
+
+def describe_pair(name: str, off: TimedRun, on: TimedRun) -> str:
+    rate = "decode" if name != "open-ended" else "output"
+    off_rate, on_rate = _rate(off, name), _rate(on, name)
+    return (
+        f"{name}: {rate} tok/s off {off_rate:.1f}, on {on_rate:.1f} ({on_rate / off_rate:.2f}x); acceptance "
+        f"{on.spec.acceptance_rate:.2f}, tokens per verification step {on.spec.mean_accepted_length:.2f}"
+    )
+
+
+def _rate(run: TimedRun, name: str) -> float:
+    return run.output_tok_s if name == "open-ended" else run.decode_tok_s
+
+
+def render(runs: Sequence[TimedRun], batch_size: int) -> list[str]:
+    rows = []
+    for off, on in zip(runs[::2], runs[1::2], strict=True):
+        name = off.label.rsplit(",", 1)[0]
+        ratio = _rate(on, name) / _rate(off, name)
+        steps = on.num_decode_steps
+        rows.append(
+            [
+                name,
+                "1" if name != "open-ended" else str(batch_size),
+                str(on.num_output_tokens),
+                f"{_rate(off, name):.1f}",
+                f"{_rate(on, name):.1f}",
+                f"{ratio:.2f}x",
+                f"{on.spec.acceptance_rate:.2f}",
+                f"{on.spec.mean_accepted_length:.2f}",
+                f"{on.num_decode_tokens / steps:.2f}" if steps else "-",
+                f">= {TARGETS[name]}x {'met' if ratio >= TARGETS[name] else 'NOT met'}",
+            ]
+        )
+    headers = ["workload", "batch", "output tokens", "tok/s off", "tok/s on", "on / off", "acceptance"]
+    headers += ["tokens / verification step", "tokens / step", "target"]
+    return [
+        markdown_table(headers, rows),
+        "",
+        "- tok/s: decode tokens per second after each request's first token at batch 1; output tokens per "
+        "second of the whole run at batch "
+        f"{batch_size}",
+        "- acceptance: accepted / proposed draft tokens; tokens / verification step: accepted drafts plus "
+        "the model's own token, per step that verified drafts; tokens / step: per decode step of any kind",
+        "- speculative steps run eagerly, without overlapped decoding (CUDA graphs cover plain decode "
+        "steps only)",
+    ]
+
+
+def save(folder: Path, hardware: Hardware, lines: list[str], runs: list[TimedRun]) -> None:
+    origin = provenance(hardware)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "speculative.md").write_text(origin.markdown() + "\n".join(lines) + "\n")
+    payload = {
+        "provenance": origin.to_json(),
+        "runs": [
+            {
+                "label": run.label,
+                "output_tokens": run.num_output_tokens,
+                "decode_tokens": run.num_decode_tokens,
+                "decode_s": run.decode_s,
+                "elapsed_s": run.elapsed_s,
+                "decode_steps": run.num_decode_steps,
+                "spec_decode": dataclasses.asdict(run.spec),
+            }
+            for run in runs
+        ],
+    }
+    write_json(folder / "speculative.json", payload)
+    print(f"wrote speculative.md, speculative.json to {folder}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return common.run_as_script("speculative", __doc__, add_arguments, run, argv)
