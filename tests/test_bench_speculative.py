@@ -1,0 +1,60 @@
+"""``tokenmill bench speculative``: the draft-model costing on tiny models (the n-gram part needs a chat
+template, which the real-model run in reports/ covers), and the tokens-per-round formula."""
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tiny_models import save_tiny_model
+from tokenmill.benchmarks.speculative import command
+from tokenmill.benchmarks.speculative.draft_cost import tokens_per_round
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 0.9, 1.0])
+def test_tokens_per_round_matches_a_simulation(acceptance: float) -> None:
+    rng = random.Random(0)
+    k, rounds = 4, 40000
+    total = 0
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < k and rng.random() < acceptance:
+            accepted += 1
+        total += accepted + 1  # the accepted guesses and the model's own token
+    assert tokens_per_round(acceptance, k) == pytest.approx(total / rounds, rel=0.02)
+
+
+def test_draft_costing_reports_round_costs_and_the_self_draft_check(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    save_tiny_model("llama3", tmp_path / "target")
+    save_tiny_model("qwen2", tmp_path / "draft", seed=1)
+    args = ["--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft"), "--skip-ngram"]
+    args += [
+        "--device",
+        "cpu",
+        "--draft-num-prompts",
+        "1",
+        "--draft-input-len",
+        "16",
+        "--draft-output-len",
+        "12",
+    ]
+    assert command.main([*args, "--report-dir", str(tmp_path / "report")]) == 0
+    report = (tmp_path / "report" / "speculative.md").read_text()
+    assert (
+        report.startswith("- commit: ")
+        and "draft /" in report
+        and "peer: the target's plain decode" in report
+    )
+    for row in ("t_plain", "t_draft_step", "t_verify", "round, measured", "| 0.5 ", "| 0.9 "):
+        assert row in report, row
+    assert "self-draft check: acceptance 1.00 (5.00 tokens per round)" in report  # k = 4, all accepted
+    assert "self-draft:" in capsys.readouterr().out
+
+
+def test_bad_speculative_config_flag_fails_before_loading(capsys) -> None:  # type: ignore[no-untyped-def]
+    from tokenmill import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "speculative", "--speculative-config", '{"method": "ngram", "k": 2}'])
+    assert exit_info.value.code == 2
+    assert "unknown key(s) ['k']" in capsys.readouterr().err
