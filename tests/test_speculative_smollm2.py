@@ -89,3 +89,32 @@ def test_greedy_gemma3_outputs_are_identical_with_and_without_ngram_speculation(
     assert outputs[0].token_ids == outputs[1].token_ids
     assert outputs[0].text == outputs[1].text
     assert llm.scheduler_stats().spec_decode.num_accepted > 0
+
+
+def test_the_server_speculates_and_counts_it_in_metrics(smollm2) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+    import openai
+
+    from tokenmill.server import ServerSettings, ServerThread, create_app
+
+    engine = engine_for(
+        smollm2,
+        max_model_len=1024,
+        max_num_seqs=2,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    plain = LLM(engine=engine_for(smollm2, max_model_len=1024, max_num_seqs=2))
+    expected = chat(plain, [SamplingParams(temperature=0, max_tokens=40)] * len(CHATS))[0].outputs[0].text
+    with ServerThread(create_app(engine, ServerSettings(served_model_name="spec"))) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="spec", messages=CHATS[0], temperature=0, max_tokens=40)  # type: ignore[arg-type]
+        assert reply.choices[0].message.content == expected
+        text = httpx.get(f"{server.base_url}/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+    drafted = values["tokenmill:spec_decode_num_draft_tokens_total"]
+    accepted = values["tokenmill:spec_decode_num_accepted_tokens_total"]
+    steps, emitted = (
+        values["tokenmill:spec_decode_num_drafts_total"],
+        values["tokenmill:spec_decode_num_emitted_tokens_total"],
+    )
+    assert 0 < accepted <= drafted and steps <= emitted <= steps + accepted

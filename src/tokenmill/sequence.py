@@ -97,6 +97,8 @@ class Sequence:
         self.token_ids.extend(self.draft_token_ids[:count])
         self.num_draft_tokens = count
         self.draft_token_ids = []
+        if count == 0:
+            self.draft_probs = None
 
     def drop_drafts(self) -> None:
         """Remove the provisional tokens (verified, or never run)."""

@@ -114,3 +114,15 @@ def _resolve_graphs(config: EngineConfig, platform: Platform) -> CudaGraphConfig
     if overlap is None:
         overlap = enabled and platform.device.type == "cuda"
     return replace(graphs, enabled=enabled, overlap_decode=overlap)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device '{device}' is not a valid torch device (try cpu, cuda, cuda:1)") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device '{device}' was asked for but CUDA is not available here")
+    return resolved

@@ -18,7 +18,7 @@ import torch
 
 from tokenmill.attention.selector import create_attention_backend
 from tokenmill.config import EngineConfig
-from tokenmill.engine.hardware_defaults import Platform, resolve_config
+from tokenmill.engine.hardware_defaults import Platform, resolve_config, resolve_device
 from tokenmill.engine.input_checks import (
     InvalidRequestError,
     check_priority,
@@ -53,18 +53,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"device '{device}' is not a valid torch device (try cpu, cuda, cuda:1)") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device '{device}' was asked for but CUDA is not available here")
-    return resolved
-
-
 @dataclasses.dataclass(frozen=True)
 class KVCacheMemory:
     used_bytes: int  # held by sequences now
@@ -75,8 +63,7 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig, loaded: LoadedModel | None = None, draft: LoadedModel | None = None
     ) -> None:
-        """``loaded``: the model, loaded already (else ``config.model`` is loaded); ``draft``: likewise the
-        draft model of ``speculative_method="draft_model"``."""
+        """``loaded`` / ``draft``: the model / draft model (speculative decoding), loaded already."""
         started = time.perf_counter()
         self.device = resolve_device(config.device)
         self.loaded = loaded or load_model(
@@ -349,7 +336,7 @@ class LLMEngine:
         stop_string = text.append([token], check_stop=num_output >= seq.params.min_tokens)
         stopped = stop_string is not None and (num_later > 0 or not seq.is_finished)
         if stopped:
-            self._stop_at(seq, stop_string, num_later)
+            self.scheduler.stop_at_string(seq, stop_string, num_later)
         last = stopped or num_later == 0  # the sequence's last token of this step
         if seq.is_finished and last and not stopped:
             text.finish()
@@ -357,16 +344,6 @@ class LLMEngine:
         if seq.num_output_tokens == 1 and seq.params.prompt_logprobs is not None:
             delta.prompt_logprobs = [None, *seq.prompt_logprobs]
         return delta, stopped
-
-    def _stop_at(self, seq: Sequence, stop_string: str | None, num_later: int) -> None:
-        """End ``seq`` at a stop string, dropping the ``num_later`` tokens after it (a verification step
-        may have appended them, and may have ended the sequence at the last by length)."""
-        if seq.is_finished:
-            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_string
-        else:
-            self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop_string)
-        if num_later:
-            del seq.token_ids[-num_later:]
 
     def _delta(
         self, seq: Sequence, tokens: list[int], logprobs: RowLogprobs | None, last: bool = True

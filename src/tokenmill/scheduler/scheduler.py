@@ -246,6 +246,16 @@ class Scheduler:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
 
+    def stop_at_string(self, seq: Sequence, stop_string: str | None, num_later: int) -> None:
+        """End ``seq`` at a stop string, dropping the ``num_later`` tokens after it (a verification step
+        may have appended them, and may have ended the sequence at the last by length)."""
+        if seq.is_finished:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_string
+        else:
+            self.finish(seq, FinishReason.STOP, stop_reason=stop_string)
+        if num_later:
+            del seq.token_ids[-num_later:]
+
     def reserve_next_step(self, scheduled: SchedulerOutput) -> bool:
         """For overlapped decoding: whether the step after ``scheduled`` (a decode step whose tokens are
         not read yet) will almost surely run the same sequences one token further, and if so, give each
