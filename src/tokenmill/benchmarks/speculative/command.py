@@ -57,18 +57,27 @@ def run(args: argparse.Namespace) -> int:
         runs, ngram_lines = result
         lines += ngram_lines
     if args.draft_model is not None:
-        lines += draft_model_costs(args, loaded, _engine_config(args, loaded, args.draft_max_model_len))
+        lines += draft_model_costs(args, loaded, _engine_config(args, loaded, args.draft_max_model_len, 2))
     if args.report_dir is not None:
         save(args.report_dir, hardware, lines, runs)
     return 0
 
 
-def _engine_config(args: argparse.Namespace, loaded: LoadedModel, max_model_len: int) -> EngineConfig:
-    return common.base_engine_config(args, loaded, max_model_len).with_options(**common.engine_options(args))
+def _engine_config(
+    args: argparse.Namespace, loaded: LoadedModel, max_model_len: int, num_seqs: int
+) -> EngineConfig:
+    """The measured config; on a GPU with a KV pool of its own size (room for ``num_seqs`` whole
+    sequences), so the several engines of the run fit beside each other."""
+    config = common.base_engine_config(args, loaded, max_model_len).with_options(
+        **common.engine_options(args)
+    )
+    if loaded.device.type == "cuda" and config.kv.num_blocks is None:
+        config = config.with_options(num_kv_blocks=-(-num_seqs * max_model_len // config.kv.block_size))
+    return config
 
 
 def ngram_part(args: argparse.Namespace, loaded: LoadedModel) -> tuple[list[TimedRun], list[str]] | None:
-    base = _engine_config(args, loaded, args.max_model_len or 2048)
+    base = _engine_config(args, loaded, args.max_model_len or 2048, args.batch_size)
     spec = base.speculative
     on = base.with_options(
         speculative_method="ngram", num_speculative_tokens=spec.num_speculative_tokens, speculative_model=None

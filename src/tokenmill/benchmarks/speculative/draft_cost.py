@@ -12,7 +12,11 @@ itself accepts every greedy guess (``a = 1``, ``E = k + 1``), and its measured s
 """
 
 import argparse
+import gc
 import random
+from collections.abc import Callable
+
+import torch
 
 from tokenmill.benchmarks.report import describe_model, header_lines, markdown_table
 from tokenmill.benchmarks.speculative.timing import TimedRun, one_at_a_time
@@ -54,16 +58,20 @@ def draft_model_costs(args: argparse.Namespace, target: LoadedModel, base: Engin
         num_speculative_tokens=k,
     )
     runs = {
-        "target plain": _timed("target plain", LLMEngine(off, loaded=target), prompts, params),
-        "target eager": _timed("target eager", LLMEngine(eager, loaded=target), prompts, params),
+        "target plain": _timed("target plain", lambda: LLMEngine(off, loaded=target), prompts, params),
+        "target eager": _timed("target eager", lambda: LLMEngine(eager, loaded=target), prompts, params),
         "draft eager": _timed(
             "draft eager",
-            LLMEngine(eager.with_options(model=args.draft_model), loaded=draft),
+            lambda: LLMEngine(eager.with_options(model=args.draft_model), loaded=draft),
             prompts,
             params,
         ),
-        "with draft": _timed("with draft", LLMEngine(drafted, loaded=target, draft=draft), prompts, params),
-        "self-draft": _timed("self-draft", LLMEngine(drafted, loaded=target, draft=target), prompts, params),
+        "with draft": _timed(
+            "with draft", lambda: LLMEngine(drafted, loaded=target, draft=draft), prompts, params
+        ),
+        "self-draft": _timed(
+            "self-draft", lambda: LLMEngine(drafted, loaded=target, draft=target), prompts, params
+        ),
     }
     for run in runs.values():
         print(f"{run.label}: step {run.step_s * 1e3:.2f} ms, decode {run.decode_tok_s:.1f} tok/s", flush=True)
@@ -80,11 +88,20 @@ def draft_model_costs(args: argparse.Namespace, target: LoadedModel, base: Engin
     return ["", *header, "", *render_costs(runs, k)]
 
 
-def _timed(label: str, engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> TimedRun:
+def _timed(
+    label: str, make_engine: Callable[[], LLMEngine], prompts: list[list[int]], params: SamplingParams
+) -> TimedRun:
+    """Build the engine, warm it up, time the prompts, and free the engine before the next one is built."""
+    engine = make_engine()
     one_at_a_time(
         "warm-up", engine, prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     )
-    return one_at_a_time(label, engine, prompts, params)
+    run = one_at_a_time(label, engine, prompts, params)
+    del engine
+    gc.collect()  # the engine's KV pool (and graphs) go before the next engine sizes its own
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return run
 
 
 def render_costs(runs: dict[str, TimedRun], k: int) -> list[str]:
