@@ -698,7 +698,7 @@ def test_without_a_cache_every_step_recomputes_each_sequence_from_its_first_toke
         assert [(c.seq, c.start, c.end) for c in out.chunks] == [(s, 0, s.num_tokens) for s in seqs], step
         arrays = build_step_arrays(out.chunks, scheduler.kv)
         assert "slot_mapping" not in arrays and "block_tables" not in arrays
-        scheduler.update(out, StepResult(sampled=dict.fromkeys(seqs, (7, None))))
+        scheduler.update(out, StepResult(sampled={seq: [(7, None)] for seq in seqs}))
         assert all(seq.num_computed_tokens == 0 for seq in seqs)
     assert all(seq.is_finished and seq.num_output_tokens == 4 for seq in seqs)
     assert not scheduler.has_unfinished

@@ -389,8 +389,8 @@ def test_a_started_step_is_used_by_exactly_its_rows_and_gives_their_logits(tiny)
     graphs.start_next_step(scheduled.chunks, sampled)
     assert torch.equal(graphs.run(scheduled.chunks).logits, first)  # the same step again: computed afresh
     assert (graphs.num_started, graphs.num_reused) == (1, 0)
-    tokens: dict[Sequence, tuple[int, RowLogprobs | None]] = {
-        c.seq: (token, None) for c, token in zip(scheduled.chunks, sampled.tolist(), strict=True)
+    tokens: dict[Sequence, list[tuple[int, RowLogprobs | None]]] = {
+        c.seq: [(token, None)] for c, token in zip(scheduled.chunks, sampled.tolist(), strict=True)
     }
     scheduler.update(scheduled, StepResult(sampled=tokens))
     following = scheduler.schedule().chunks
@@ -519,8 +519,8 @@ def _decoding(
 
 def _update(scheduler: Scheduler, scheduled: SchedulerOutput) -> None:
     """Take in a step whose every sampled sequence drew token 5."""
-    sampled: dict[Sequence, tuple[int, RowLogprobs | None]] = {
-        c.seq: (5, None) for c in scheduled.chunks if c.samples_next_token
+    sampled: dict[Sequence, list[tuple[int, RowLogprobs | None]]] = {
+        c.seq: [(5, None)] for c in scheduled.chunks if c.samples_next_token
     }
     scheduler.update(scheduled, StepResult(sampled=sampled))
 

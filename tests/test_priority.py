@@ -108,7 +108,7 @@ class NaiveScheduler:
 def _step_scheduler(scheduler: Scheduler) -> tuple[list[str], list[str]]:
     """One engine step without a model: every scheduled chunk computes, sampling appends a dummy token."""
     out = scheduler.schedule()
-    sampled = {chunk.seq: (1, None) for chunk in out.chunks if chunk.samples_next_token}
+    sampled = {chunk.seq: [(1, None)] for chunk in out.chunks if chunk.samples_next_token}
     scheduler.update(out, StepResult(sampled=sampled))
     return [c.seq.seq_id for c in out.chunks], [seq.seq_id for seq in out.preempted]
 
