@@ -5,7 +5,8 @@ copy from the prompt — code editing (rename, type hints, docstrings over a 30-
 mix (rewrites, summaries, QA over a given text, typo fixes, records to JSON) — speculation off and on,
 each prompt alone, with acceptance and tokens per verification step; then a batch of open-ended prompts
 (nothing to copy) all at once, output tokens/s off and on: what speculation costs where it cannot help.
-Off and on must produce the same greedy tokens at batch 1 (checked; no numbers otherwise).
+Off and on must produce the same greedy tokens at batch 1 (checked; no numbers otherwise). Each prompt
+runs off and then on before the next one, so load from elsewhere on the machine hits both alike.
 
 **draft model** (``--draft-model``): the cost of a round (k draft steps + one verification) against a plain
 decode step of the target, and the speed-up that implies at acceptance 0.5 / 0.7 / 0.9; and the check of
@@ -35,7 +36,7 @@ from tokenmill.benchmarks.report import (
 )
 from tokenmill.benchmarks.speculative import prompts
 from tokenmill.benchmarks.speculative.draft_cost import draft_model_costs
-from tokenmill.benchmarks.speculative.timing import TimedRun, all_at_once, one_at_a_time
+from tokenmill.benchmarks.speculative.timing import TimedRun, all_at_once, merged, one_at_a_time
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel
@@ -93,7 +94,7 @@ def ngram_part(args: argparse.Namespace, loaded: LoadedModel) -> tuple[list[Time
         )
     for name, texts in workloads.items():
         chats = [_chat(loaded, text) for text in texts]
-        pair = [one_at_a_time(f"{name}, {side}", engine, chats, greedy) for side, engine in engines.items()]
+        pair = interleaved(name, engines, chats, greedy)
         print(describe_pair(name, *pair), flush=True)
         if pair[0].outputs != pair[1].outputs:
             print(f"CORRECTNESS CHECK FAILED: {name}: greedy tokens differ with speculation", file=sys.stderr)
@@ -101,13 +102,18 @@ def ngram_part(args: argparse.Namespace, loaded: LoadedModel) -> tuple[list[Time
         runs += pair
     open_chats = [_chat(loaded, text) for text in prompts.open_ended(args.batch_size)]
     batch = SamplingParams(temperature=0, max_tokens=args.batch_output_len, ignore_eos=True)
-    pair = [all_at_once(f"open-ended, {side}", engine, open_chats, batch) for side, engine in engines.items()]
+    batches: dict[str, list[TimedRun]] = {side: [] for side in engines}
+    for _ in range(2):  # off, on, off, on: load from elsewhere hits both alike
+        for side, engine in engines.items():
+            batches[side].append(all_at_once(f"open-ended, {side}", engine, open_chats, batch))
+    pair = [merged(f"open-ended, {side}", side_runs) for side, side_runs in batches.items()]
     print(describe_pair("open-ended", *pair), flush=True)
     runs += pair
     workload = (
         f"SmolLM2-style chat prompts, greedy; batch 1: {len(prompts.CODE_EDITING)} code-editing and "
         f"{len(prompts.COPY_MIX)} copy-heavy prompts, up to {args.max_tokens} tokens each; batch "
-        f"{args.batch_size}: open-ended prompts, {args.batch_output_len} tokens each (EOS ignored); "
+        f"{args.batch_size}: open-ended prompts, {args.batch_output_len} tokens each (EOS ignored), run "
+        "twice, alternating; "
         f"n-gram k={spec.num_speculative_tokens}, n={spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
     )
     header = header_lines(
@@ -117,6 +123,17 @@ def ngram_part(args: argparse.Namespace, loaded: LoadedModel) -> tuple[list[Time
         "the same engine with speculation off, same run",
     )
     return runs, [*header, "", *render(runs, args.batch_size)]
+
+
+def interleaved(
+    name: str, engines: dict[str, LLMEngine], chats: list[list[int]], params: SamplingParams
+) -> list[TimedRun]:
+    """Each prompt off, then on, before the next prompt: other load on the machine hits both alike."""
+    runs: dict[str, list[TimedRun]] = {side: [] for side in engines}
+    for chat in chats:
+        for side, engine in engines.items():
+            runs[side].append(one_at_a_time(f"{name}, {side}", engine, [chat], params))
+    return [merged(f"{name}, {side}", side_runs) for side, side_runs in runs.items()]
 
 
 def _chat(loaded: LoadedModel, text: str) -> list[int]:

@@ -42,6 +42,20 @@ class TimedRun:
         return self.decode_s / self.num_decode_steps if self.num_decode_steps else 0.0
 
 
+def merged(label: str, runs: Sequence[TimedRun]) -> TimedRun:
+    """One run out of several (e.g. one per prompt): outputs concatenated, times and counts added."""
+    total = TimedRun(label, [], 0, 0.0, 0, 0.0, SpecDecodeCounts())
+    for run in runs:
+        total.outputs += run.outputs
+        total.num_decode_tokens += run.num_decode_tokens
+        total.decode_s += run.decode_s
+        total.num_decode_steps += run.num_decode_steps
+        total.elapsed_s += run.elapsed_s
+        total.spec.add(run.spec)
+        total.propose_s += run.propose_s
+    return total
+
+
 class TimedProposer(Proposer):
     """A proposer that adds up the time its ``propose`` calls take."""
 
