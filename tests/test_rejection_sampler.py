@@ -187,7 +187,10 @@ def test_sampled_speculative_outputs_follow_the_models_distribution(proposer: st
     if proposer == "draft_model":
         spec = {"method": proposer, "model": str(tmp_path / "draft"), "num_speculative_tokens": 2}
     config = EngineConfig(model=str(tmp_path / "target"), device="cpu").with_options(
-        speculative_config=spec, cpu_kv_cache_gib=0.05, max_num_seqs=256, max_model_len=64
+        speculative_config={**spec, "disable_by_batch_size": 1000},
+        cpu_kv_cache_gib=0.05,
+        max_num_seqs=256,
+        max_model_len=64,
     )
     engine = LLMEngine(config, loaded=load_model(tmp_path / "target", dtype="float32"))
     engine.add_request("r", PROMPT, params)

@@ -262,3 +262,25 @@ def test_request_metrics_count_drafts_and_accepted_tokens(tiny) -> None:  # type
     assert emitted <= len(out.outputs[0].token_ids)
     assert metrics["spec_decode_mean_accepted_length"] == pytest.approx(emitted / steps)
     assert engine_for(tiny).scheduler_stats().spec_decode.num_steps == 0
+
+
+def test_a_large_batch_runs_plain_decode_steps(tiny) -> None:  # type: ignore[no-untyped-def]
+    """At ``disable_by_batch_size`` running sequences no step speculates; below it, steps do again."""
+    workload = repetitive_workload(random.Random(4), 6)
+    engine = speculative_engine(tiny, speculative_disable_by_batch_size=4, max_num_seqs=6)
+    assert engine.config.speculative.disable_by_batch_size == 4
+    proposed_at: list[int] = []
+    for rid, (prompt, max_tokens) in workload.items():
+        engine.add_request(
+            rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens + 20, ignore_eos=True)
+        )
+    outputs: dict[str, list[int]] = {rid: [] for rid in workload}
+    while engine.has_unfinished_requests():
+        running, before = len(engine.scheduler.running), engine.scheduler.stats.spec_decode.num_steps
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+        if engine.scheduler.stats.spec_decode.num_steps > before:
+            proposed_at.append(running)
+    assert proposed_at and max(proposed_at) < 4
+    assert_matches_reference(tiny, {rid: (p, n + 20) for rid, (p, n) in workload.items()}, outputs)
+    assert EngineConfig().with_options(speculative_method="ngram").speculative.disable_by_batch_size is None

@@ -199,11 +199,10 @@ class CudaGraphConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding: a proposer guesses up to ``num_speculative_tokens`` tokens of a decoding
-    sequence, the model checks them all in one step, and a rejection sampler keeps exactly the model's
-    output distribution. ``ngram``: prompt lookup (the longest suffix of ``prompt_lookup_min`` to
-    ``prompt_lookup_max`` tokens found earlier in the prompt and output; the tokens after it);
-    ``draft_model``: a smaller ``model`` with the same vocabulary, run with its own KV cache. None: off."""
+    """Speculative decoding: a proposer guesses up to ``num_speculative_tokens`` next tokens, the model
+    checks them in one step, a rejection sampler keeps exactly its output distribution. ``ngram``: prompt
+    lookup (what followed the last earlier occurrence of the output's last ``prompt_lookup_min`` to
+    ``_max`` tokens); ``draft_model``: a smaller ``model`` with the same vocabulary. None: off."""
 
     method: SpeculativeMethod | None = None
     num_speculative_tokens: int = 4
@@ -211,6 +210,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None  # draft_model: the draft (a short name, folder, .gguf or preset)
     load_format: str = "auto"  # draft_model: "dummy" for random weights of a preset
+    # No guesses while this many sequences run (a large batch is compute-bound: verifying 1 + k tokens
+    # each costs more than it saves). None (auto): 8 on CPU, 32 on a GPU.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -239,9 +241,9 @@ class SpeculativeConfig:
             self.model,
         )
         _require_choice("speculative_load_format", self.load_format, ("auto", "dummy"))
+        _require_at_least_one("speculative_disable_by_batch_size", self.disable_by_batch_size)
 
 
-# ``LLM(speculative_config={...})`` keys, as vLLM names them, -> the flat names of SpeculativeConfig.
 SPECULATIVE_CONFIG_KEYS: dict[str, str] = {
     "method": "speculative_method",
     "num_speculative_tokens": "num_speculative_tokens",
@@ -249,11 +251,13 @@ SPECULATIVE_CONFIG_KEYS: dict[str, str] = {
     "prompt_lookup_max": "prompt_lookup_max",
     "model": "speculative_model",
     "load_format": "speculative_load_format",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
 }
 
 
 def speculative_options(speculative_config: dict[str, Any] | None) -> dict[str, Any]:
-    """A vLLM-style ``speculative_config`` dict as flat options; an unknown key is a ValueError."""
+    """A vLLM-style ``speculative_config`` dict (keys as vLLM names them) as flat options; an unknown key
+    is a ValueError."""
     if speculative_config is None:
         return {}
     if not isinstance(speculative_config, dict):
@@ -377,6 +381,7 @@ _ALIASES: dict[str, tuple[str, str]] = {
     "speculative_method": ("speculative", "method"),
     "speculative_model": ("speculative", "model"),
     "speculative_load_format": ("speculative", "load_format"),
+    "speculative_disable_by_batch_size": ("speculative", "disable_by_batch_size"),
 }
 
 

@@ -286,7 +286,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestDelta]:
         if self.proposer is not None:
-            propose_drafts(self.proposer, self.scheduler.running, self.max_model_len)
+            cutoff = self.config.speculative.disable_by_batch_size
+            propose_drafts(self.proposer, self.scheduler.running, self.max_model_len, cutoff)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             deltas, self._pending = self._pending, []

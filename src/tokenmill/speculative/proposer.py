@@ -9,7 +9,8 @@ grammar's approval token by token, so they run plain decode steps), and has not 
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,8 +45,13 @@ def wants_drafts(seq: Seq) -> bool:
     )
 
 
-def propose_drafts(proposer: Proposer, running: Iterable[Seq], max_model_len: int) -> None:
-    """Give each running sequence that wants them the proposer's guesses for the next step."""
+def propose_drafts(
+    proposer: Proposer, running: abc.Sequence[Seq], max_model_len: int, max_batch: int | None = None
+) -> None:
+    """Give each running sequence that wants them the proposer's guesses for the next step; none while
+    ``max_batch`` or more sequences run."""
+    if max_batch is not None and len(running) >= max_batch:
+        return
     seqs = [seq for seq in running if wants_drafts(seq)]
     if not seqs:
         return
