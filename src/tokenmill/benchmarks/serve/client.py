@@ -27,7 +27,7 @@ _WORD_TEXT = (
     "get here between both life being under never day same another know while last might us great "
     "old year off come since against go came right used take three"
 )
-_WORDS = _WORD_TEXT.split()
+WORDS = _WORD_TEXT.split()
 _MS = 1e3
 
 
@@ -91,9 +91,28 @@ def _stats(seconds: Sequence[float]) -> dict[str, float]:
 # -- prompts --------------------------------------------------------------------------------------------
 
 
-def synthetic_prompts(count: int, input_len: int, seed: int) -> list[str]:
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: str
+    max_tokens: int
+
+
+def synthetic_requests(
+    count: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int
+) -> list[BenchRequest]:
+    """``count`` prompts of random words, their word counts and max_tokens drawn uniformly from the ranges."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(_WORDS) for _ in range(input_len)) for _ in range(count)]
+    requests = []
+    for _ in range(count):
+        words = rng.randint(*input_len)
+        prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+        requests.append(BenchRequest(prompt, rng.randint(*output_len)))
+    return requests
+
+
+def dataset_requests(path: Path, count: int, output_len: tuple[int, int], seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    return [BenchRequest(prompt, rng.randint(*output_len)) for prompt in dataset_prompts(path, count)]
 
 
 def dataset_prompts(path: Path, count: int) -> list[str]:
@@ -179,15 +198,27 @@ async def _sse_events(response: httpx.Response) -> Any:
 
 
 def _record(start: float, chunk_times: list[float], usage: dict[str, Any] | None, text: str) -> RequestRecord:
-    end = time.perf_counter()
+    output_tokens = int(usage["completion_tokens"]) if usage else len(chunk_times)
+    prompt_tokens = int(usage["prompt_tokens"]) if usage else None
+    return record_from_chunks(start, time.perf_counter(), chunk_times, prompt_tokens, output_tokens, text)
+
+
+def record_from_chunks(
+    start: float,
+    end: float,
+    chunk_times: list[float],
+    prompt_tokens: int | None,
+    output_tokens: int,
+    text: str = "",
+) -> RequestRecord:
+    """A finished request from the times its text chunks arrived (``perf_counter`` seconds)."""
     if not chunk_times:
         return RequestRecord(False, end - start, error="the stream held no text")
-    output_tokens = int(usage["completion_tokens"]) if usage else len(chunk_times)
     return RequestRecord(
         ok=True,
         latency_s=end - start,
         ttft_s=chunk_times[0] - start,
-        prompt_tokens=int(usage["prompt_tokens"]) if usage else None,
+        prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
         itls_s=[b - a for a, b in itertools.pairwise(chunk_times)],
         text=text,
@@ -210,20 +241,25 @@ def arrival_offsets(count: int, request_rate: float, seed: int) -> list[float]:
 
 
 async def run_level(
-    target: Target, prompts: Sequence[str], concurrency: int, request_rate: float, seed: int, timeout_s: float
+    target: Target,
+    requests: Sequence[BenchRequest],
+    concurrency: int,
+    request_rate: float,
+    seed: int,
+    timeout_s: float,
 ) -> LevelResult:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     semaphore = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
 
-        async def one(prompt: str, offset: float) -> RequestRecord:
+        async def one(request: BenchRequest, offset: float) -> RequestRecord:
             await asyncio.sleep(offset)
             async with semaphore:
-                return await send_request(client, target, prompt)
+                return await send_request(client, target, request.prompt, request.max_tokens)
 
         start = time.perf_counter()
-        offsets = arrival_offsets(len(prompts), request_rate, seed)
-        records = await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets, strict=True)))
+        offsets = arrival_offsets(len(requests), request_rate, seed)
+        records = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets, strict=True)))
         return LevelResult(concurrency, time.perf_counter() - start, list(records))
 
 
