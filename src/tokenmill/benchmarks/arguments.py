@@ -201,6 +201,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="short requests sent before measuring")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="client processes per level (default: one per 16 streams, at most half the cores)",
+    )
     parser.add_argument("--report-dir", type=Path, default=None, help="write serve.json / .md / .png here")
     parser.add_argument(
         "--offline",

@@ -1,7 +1,6 @@
 """The load generator of ``bench serve``: prompts, one streamed ``/v1/completions`` request timed chunk by
-chunk, and a concurrency level of them (optionally Poisson arrivals), summarized per level."""
+chunk, and a level's records summarized (``levels`` runs a level)."""
 
-import asyncio
 import itertools
 import json
 import math
@@ -225,42 +224,7 @@ def record_from_chunks(
     )
 
 
-# -- levels ---------------------------------------------------------------------------------------------
-
-
-def arrival_offsets(count: int, request_rate: float, seed: int) -> list[float]:
-    """Seconds after the start at which each request is sent: all at once, or Poisson at ``request_rate``."""
-    if math.isinf(request_rate):
-        return [0.0] * count
-    rng = random.Random(seed)
-    offsets, now = [], 0.0
-    for _ in range(count):
-        offsets.append(now)
-        now += rng.expovariate(request_rate)
-    return offsets
-
-
-async def run_level(
-    target: Target,
-    requests: Sequence[BenchRequest],
-    concurrency: int,
-    request_rate: float,
-    seed: int,
-    timeout_s: float,
-) -> LevelResult:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    semaphore = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
-
-        async def one(request: BenchRequest, offset: float) -> RequestRecord:
-            await asyncio.sleep(offset)
-            async with semaphore:
-                return await send_request(client, target, request.prompt, request.max_tokens)
-
-        start = time.perf_counter()
-        offsets = arrival_offsets(len(requests), request_rate, seed)
-        records = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets, strict=True)))
-        return LevelResult(concurrency, time.perf_counter() - start, list(records))
+# -- the server ----------------------------------------------------------------------------------------
 
 
 def resolve_model(base_url: str, headers: dict[str, str], timeout_s: float) -> str:

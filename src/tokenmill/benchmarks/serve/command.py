@@ -22,8 +22,10 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -39,10 +41,10 @@ from tokenmill.benchmarks.serve.client import (
     Target,
     dataset_requests,
     resolve_model,
-    run_level,
     send_request,
     synthetic_requests,
 )
+from tokenmill.benchmarks.serve.levels import client_processes, run_level
 from tokenmill.benchmarks.serve.report import comparison_table, level_table, scaling_line, write_report
 
 
@@ -75,19 +77,26 @@ def level_requests(args: argparse.Namespace) -> list[list[BenchRequest]]:
     return [requests[:count] for count in counts]
 
 
-async def run_all(
-    target: Target, levels: list[list[BenchRequest]], args: argparse.Namespace
-) -> list[LevelResult]:
+async def warm_up(target: Target, prompt: str, args: argparse.Namespace) -> None:
     async with httpx.AsyncClient(timeout=args.timeout) as client:
         for _ in range(args.warmup):
-            warm = await send_request(client, target, levels[0][0].prompt, max_tokens=4)
+            warm = await send_request(client, target, prompt, max_tokens=4)
             if not warm.ok:
                 raise WarmUpError(f"the warm-up request failed: {warm.error}")
+
+
+def run_all(target: Target, levels: list[list[BenchRequest]], args: argparse.Namespace) -> list[LevelResult]:
+    asyncio.run(warm_up(target, levels[0][0].prompt, args))
+    processes = [client_processes(c, args.client_processes) for c in args.concurrency]
     results = []
-    for concurrency, requests in zip(args.concurrency, levels, strict=True):
-        result = await run_level(target, requests, concurrency, args.request_rate, args.seed, args.timeout)
-        _print_level(result)
-        results.append(result)
+    context = multiprocessing.get_context("spawn")  # the client processes need neither torch nor CUDA
+    with ProcessPoolExecutor(max(processes), mp_context=context) as pool:
+        for concurrency, requests, share in zip(args.concurrency, levels, processes, strict=True):
+            result = run_level(
+                target, requests, concurrency, args.request_rate, args.seed, args.timeout, pool, share
+            )
+            _print_level(result, share)
+            results.append(result)
     return results
 
 
@@ -109,10 +118,11 @@ def run_offline(
     return results, detect_hardware(engine.device).describe()
 
 
-def _print_level(result: LevelResult) -> None:
+def _print_level(result: LevelResult, processes: int = 1) -> None:
     s = result.summary()
+    clients = f" ({processes} client processes)" if processes > 1 else ""
     print(
-        f"concurrency {s['concurrency']:>4}: {s['completed']} ok, {s['failed']} failed, "
+        f"concurrency {s['concurrency']:>4}{clients}: {s['completed']} ok, {s['failed']} failed, "
         f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
         f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, TPOT p50 {s['tpot_ms']['p50']:.1f} ms",
         file=sys.stderr,
@@ -139,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         target = Target(where, model, headers, args.output_len[1], args.ignore_eos, args.temperature)
         try:
-            results = asyncio.run(run_all(target, levels, args))
+            results = run_all(target, levels, args)
         except WarmUpError as exc:
             print(f"tokenmill bench serve: {exc}", file=sys.stderr)
             return 1
