@@ -91,3 +91,38 @@ def test_an_error_behind_piled_up_deltas_ends_the_stream_after_them() -> None:
     received, error = asyncio.run(run())
     assert received == [7, 8]
     assert error.status_code == HTTPStatus.INTERNAL_SERVER_ERROR and "engine failed" in str(error)
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_a_stream_interval_groups_tokens_after_the_first(interval: int) -> None:
+    tokens = list(range(100, 111))
+
+    async def run() -> list[list[int]]:
+        generation = Generation(
+            _NoEngineLoop(), [PromptSpec("r", [1], SamplingParams())], 1, None, None, lambda: interval
+        )
+        chunks: list[list[int]] = []
+
+        async def engine() -> None:  # one token per step; the first waits to be sent, the rest do not
+            deltas = _deltas("r", 0, tokens)
+            generation.stream.queue.put_nowait(deltas[0])
+            while not chunks:
+                await asyncio.sleep(0)
+            for delta in deltas[1:]:
+                while not generation.stream.queue.empty():
+                    await asyncio.sleep(0)
+                generation.stream.queue.put_nowait(delta)
+
+        feeding = asyncio.create_task(engine())
+        async for _, delta in generation.deltas():
+            chunks.append(delta.new_token_ids)
+            await asyncio.sleep(0)
+        await feeding
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert [t for chunk in chunks for t in chunk] == tokens
+    assert chunks[0] == tokens[:1]  # the first token is never held back
+    assert all(len(chunk) >= interval for chunk in chunks[1:-1])
+    if interval > 1:
+        assert len(chunks) < len(tokens)

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
@@ -49,6 +49,19 @@ class ServerSettings:
     api_key: str | None = None
     max_waiting: int | None = None  # sequences allowed to wait for a slot; None: no bound
     request_timeout_s: float | None = None  # None: no limit
+    # Tokens per streamed chunk after the first; None: adaptive, one until 32 sequences run, then one
+    # more per 32 (at 256 streams a chunk per token would cost the event loop more than a core).
+    stream_interval: int | None = None
+
+
+STREAMS_PER_EXTRA_TOKEN = 32
+
+
+def chunk_tokens(stream_interval: int | None, num_running: int) -> int:
+    """Tokens a streamed chunk waits for, after the first one."""
+    if stream_interval is not None:
+        return stream_interval
+    return max(1, num_running // STREAMS_PER_EXTRA_TOKEN)
 
 
 @dataclass
@@ -111,7 +124,9 @@ class ServerContext:
         self._check_capacity(len(prompts) * params.n)
         base = f"req-{next(self._ids)}"
         specs = [PromptSpec(f"{base}-{i}", prompt, params, priority) for i, prompt in enumerate(prompts)]
-        generation = Generation(self.engine_loop, specs, params.n, self._deadline(), client)
+        generation = Generation(
+            self.engine_loop, specs, params.n, self._deadline(), client, self._chunk_tokens
+        )
         try:
             self.engine_loop.submit(specs, generation.stream)
         except EngineLoopStoppedError as exc:
@@ -140,6 +155,9 @@ class ServerContext:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
+    def _chunk_tokens(self) -> int:
+        return chunk_tokens(self.settings.stream_interval, self.engine_loop.stats().num_running)
+
     def _deadline(self) -> float | None:
         timeout = self.settings.request_timeout_s
         return None if timeout is None else asyncio.get_running_loop().time() + timeout
@@ -153,8 +171,10 @@ class Generation:
         n: int,
         deadline: float | None,
         client: Request | None,
+        chunk_tokens: Callable[[], int] = lambda: 1,
     ) -> None:
         self.engine_loop = engine_loop
+        self.chunk_tokens = chunk_tokens
         self.n = n
         self.deadline = deadline
         self.client = client  # watched for a disconnect while set
@@ -202,13 +222,27 @@ class Generation:
 
         Deltas that piled up while the handler was busy come merged, one per choice: when the engine
         outpaces the HTTP side (many streams, a fast GPU), each chunk then carries several tokens instead
-        of the event loop falling further behind one token per chunk."""
+        of the event loop falling further behind one token per chunk. After its first token, a single
+        choice also waits for ``chunk_tokens()`` tokens (or its end) before it is sent."""
         while self._buffered:
             yield self._buffered.pop(0)
         while not self.finished:
             first = await self._next_delta()
-            for merged in self._merged_with_ready(first):
-                yield merged
+            merged = self._merged_with_ready(first)
+            if self.num_choices == 1 and merged[0][1].num_output_tokens > 1:
+                merged = await self._filled(merged[0], self.chunk_tokens())
+            for item in merged:
+                yield item
+
+    async def _filled(self, merged: tuple[int, RequestDelta], tokens: int) -> list[tuple[int, RequestDelta]]:
+        index, delta = merged
+        while len(delta.new_token_ids) < tokens and not self.finished and self._held is None:
+            item = await self._next_item()
+            if not isinstance(item, RequestDelta):
+                self._held = item  # a failure: answered after the tokens gathered so far
+                break
+            delta = join_deltas(delta, self._accept(item)[1])
+        return [(index, delta)]
 
     def _merged_with_ready(self, first: tuple[int, RequestDelta]) -> list[tuple[int, RequestDelta]]:
         merged = {first[0]: first[1]}
