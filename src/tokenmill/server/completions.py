@@ -66,7 +66,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     params = completion_params(body, len(prompts))
     params = await constrained(ctx.engine, params, structured_outputs_of(body))
     engine_prompts = [
-        engine_prompt(ctx, prompt, body.add_special_tokens or None, body.truncate_prompt_tokens)
+        engine_prompt(ctx, prompt, None if body.add_special_tokens else False, body.truncate_prompt_tokens)
         for prompt in prompts
     ]
     generation = await ctx.start(engine_prompts, params, request, body.priority)
