@@ -72,7 +72,9 @@ def test_add_special_tokens_decides_the_bos(bos_server: ServerThread, add_specia
     rendered = hf.encode(
         hf.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True), add_special_tokens=False
     )
-    assert _ids(chat) == ([hf.bos_token_id, *rendered] if add_special_tokens else rendered)
+    # SmolLM2's template starts with <|im_start|>, its BOS here: tokenmill never doubles a BOS.
+    with_bos = rendered if rendered[:1] == [hf.bos_token_id] else [hf.bos_token_id, *rendered]
+    assert _ids(chat) == (with_bos if add_special_tokens else rendered)
 
 
 def test_tokenize_returns_the_token_strings(server: ServerThread) -> None:
