@@ -2,7 +2,7 @@
 
 The engine reports no scheduling events, so the engine thread infers them around each step: a request
 was scheduled at the start of the first step after which any of its sequences has computed tokens, and
-a step computed as many tokens as its sequences' computed counts grew by.
+a step computed as many tokens as its sequences' computed counts grew by (prefix-cache hits not counted).
 """
 
 from collections.abc import Iterable
@@ -65,11 +65,16 @@ class RequestTimeline:
 
 
 class StepTokenCounter:
-    """The tokens one engine step computed: how far its sequences' computed counts moved."""
+    """The tokens one engine step computed: how far its sequences' computed counts moved, less the ones
+    the prefix cache supplied."""
 
     def __init__(self, seqs: Iterable[Sequence]) -> None:
-        self._before = [(seq, seq.num_computed_tokens) for seq in seqs]
+        self._before = [(seq, _computed_here(seq)) for seq in seqs]
 
     def count(self) -> int:
         # A preempted sequence's count falls back to 0: it computed nothing new.
-        return sum(max(0, seq.num_computed_tokens - before) for seq, before in self._before)
+        return sum(max(0, _computed_here(seq) - before) for seq, before in self._before)
+
+
+def _computed_here(seq: Sequence) -> int:
+    return max(0, seq.num_computed_tokens - seq.num_cached_tokens)
