@@ -8,7 +8,8 @@ from typing import Any
 import openai
 import pytest
 
-from server_fixtures import MODEL, client_fixture, server_fixture  # noqa: F401
+from server_fixtures import MODEL, client_fixture, post, server_fixture  # noqa: F401
+from tokenmill.server import ServerThread
 
 CHAT: list[Any] = [{"role": "user", "content": "Hi"}]
 
@@ -81,3 +82,18 @@ def test_fields_no_one_defines_are_ignored_with_a_debug_log(
     logged = [record.getMessage() for record in caplog.records]
     assert any("my_own_field" in message for message in logged), logged
     assert not any("prompt_cache_key" in message for message in logged)  # an OpenAI hint, not unknown
+
+
+@pytest.mark.parametrize(
+    "field", ["prompt_logprobs", "return_token_ids", "truncate_prompt_tokens", "request_id"]
+)
+def test_generate_refuses_the_extras_it_cannot_answer(server: ServerThread, field: str) -> None:
+    value: Any = {
+        "prompt_logprobs": 1,
+        "return_token_ids": True,
+        "truncate_prompt_tokens": 2,
+        "request_id": "r",
+    }[field]
+    response = post(server, "/generate", {"prompt": "Hello", "max_tokens": 2, field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+    assert post(server, "/generate", {"prompt": "Hello", "max_tokens": 2}).status_code == 200

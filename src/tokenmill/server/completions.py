@@ -222,12 +222,19 @@ class _CompletionView:
         )
 
 
+# vLLM's extras that /v1/completions answers and /generate's plain answer has no place for.
+_NOT_ON_GENERATE = ("prompt_logprobs", "return_token_ids", "truncate_prompt_tokens", "request_id")
+
+
 @router.post("/generate", response_model=None)
 async def generate(body: GenerateRequest, request: Request) -> Response:
     """For curl users: ``{"prompt": ..., "max_tokens": ...}`` in, ``{"text": ...}`` out."""
     ctx = context(request)
     ctx.check_model(body.model)
     check_sequence_count(body.n, 1)
+    for name in _NOT_ON_GENERATE:
+        if name in body.model_fields_set:
+            raise bad_request(f"'{name}' is not supported on /generate; use /v1/completions", name)
     params = make_params(body, max_tokens=body.max_tokens)
     params = await constrained(ctx.engine, params, structured_outputs_of(body))
     generation = await ctx.start([body.prompt], params, request, body.priority)
