@@ -145,14 +145,22 @@ def add_load_memory_arguments(parser: argparse.ArgumentParser) -> None:
 DEFAULT_CONCURRENCY = "1,8,32,128"
 
 
-def concurrency_levels(text: str) -> list[int]:
+def _positive_ints(text: str, what: str) -> list[int]:
     try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got '{text}'")
-    return levels
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{what} must be >= 1, got '{text}'")
+    return values
+
+
+def concurrency_levels(text: str) -> list[int]:
+    return _positive_ints(text, "concurrency levels")
+
+
+def prompt_counts(text: str) -> list[int]:
+    return _positive_ints(text, "prompt counts")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,16 +175,52 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-rate", type=float, default=math.inf, help="requests/s (default: all at once)"
     )
-    parser.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level")
-    parser.add_argument("--input-len", type=int, default=64, help="words per synthetic prompt (~tokens)")
-    parser.add_argument("--output-len", type=int, default=64, help="max_tokens of each request")
+    parser.add_argument(
+        "--num-prompts",
+        type=prompt_counts,
+        default=[64],
+        help="requests per concurrency level: one count, or one per level (comma-separated)",
+    )
+    parser.add_argument(
+        "--input-len",
+        type=parse_length_range,
+        default=(64, 64),
+        metavar="N|MIN-MAX",
+        help="words per synthetic prompt (~tokens), or a range drawn uniformly per request",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=parse_length_range,
+        default=(64, 64),
+        metavar="N|MIN-MAX",
+        help="max_tokens of each request, or a range drawn uniformly per request",
+    )
     parser.add_argument("--dataset", type=Path, default=None, help="JSON lines with a 'prompt' each")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="short requests sent before measuring")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="client processes per level (default: one per 16 streams, at most half the cores)",
+    )
     parser.add_argument("--report-dir", type=Path, default=None, help="write serve.json / .md / .png here")
+    parser.add_argument(
+        "--offline",
+        metavar="MODEL",
+        default=None,
+        help="run the same requests in this process through the engine (its defaults) instead of a server",
+    )
+    parser.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="LABEL=SERVE_JSON",
+        help="set this run beside another run's serve.json, level by level (repeatable)",
+    )
 
 
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")

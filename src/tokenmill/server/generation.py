@@ -175,6 +175,7 @@ class Generation:
         self._cached_tokens = [0] * len(specs)  # per prompt, the most any of its n sequences reported
         self._num_finished = 0
         self._buffered: list[tuple[int, RequestDelta]] = []
+        self._held: StreamItem | None = None  # taken from the queue while merging, not yet answered
         self._closed = False
         self._next_poll = 0.0  # event loop time of the next client / engine liveness check
 
@@ -207,11 +208,29 @@ class Generation:
         self.client = None
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
-        """``(choice index, delta)`` pairs until every sequence has finished."""
+        """``(choice index, delta)`` pairs until every sequence has finished.
+
+        Deltas that piled up while the handler was busy come merged, one per choice: when the engine
+        outpaces the HTTP side (many streams, a fast GPU), each chunk then carries several tokens instead
+        of the event loop falling further behind one token per chunk."""
         while self._buffered:
             yield self._buffered.pop(0)
         while not self.finished:
-            yield await self._next_delta()
+            first = await self._next_delta()
+            for merged in self._merged_with_ready(first):
+                yield merged
+
+    def _merged_with_ready(self, first: tuple[int, RequestDelta]) -> list[tuple[int, RequestDelta]]:
+        merged = {first[0]: first[1]}
+        queue = self.stream.queue
+        while self._held is None and not self.finished and not queue.empty():
+            item = queue.get_nowait()
+            if not isinstance(item, RequestDelta):
+                self._held = item  # a failure: answered after the tokens before it
+                break
+            index, delta = self._accept(item)
+            merged[index] = join_deltas(merged[index], delta) if index in merged else delta
+        return list(merged.items())
 
     async def collect(self) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in range(self.num_choices)]
@@ -229,6 +248,9 @@ class Generation:
         item = await self._next_item()
         if not isinstance(item, RequestDelta):
             raise _unexpected(item)
+        return self._accept(item)
+
+    def _accept(self, item: RequestDelta) -> tuple[int, RequestDelta]:
         if item.finished:
             self._num_finished += 1
         prompt_index = self.prompt_index[item.request_id]
@@ -236,6 +258,9 @@ class Generation:
         return prompt_index * self.n + item.index, item
 
     async def _next_item(self) -> StreamItem:
+        if self._held is not None:
+            held, self._held = self._held, None
+            return held
         queue = self.stream.queue
         while True:
             # Checked on a clock, not only when the queue is idle: a busy engine never lets it idle.
@@ -263,6 +288,22 @@ class Generation:
             raise ClientDisconnectedError()
         if not self.engine_loop.is_healthy and self.stream.queue.empty():
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the engine loop is not running")
+
+
+def join_deltas(earlier: RequestDelta, later: RequestDelta) -> RequestDelta:
+    """One delta for two consecutive ones of the same sequence."""
+    logprobs = None
+    if earlier.new_logprobs is not None or later.new_logprobs is not None:
+        logprobs = [*(earlier.new_logprobs or []), *(later.new_logprobs or [])]
+    prompt_logprobs = earlier.prompt_logprobs
+    return dataclasses.replace(
+        later,
+        new_token_ids=earlier.new_token_ids + later.new_token_ids,
+        new_text=earlier.new_text + later.new_text,
+        new_logprobs=logprobs,
+        num_cached_tokens=max(earlier.num_cached_tokens, later.num_cached_tokens),
+        prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else later.prompt_logprobs,
+    )
 
 
 def _unexpected(item: StreamItem) -> APIError:
