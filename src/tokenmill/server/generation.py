@@ -85,13 +85,22 @@ class ChoiceResult:
         self.stop_reason = delta.stop_reason
 
 
+def cache_labels(engine: LLMEngine) -> dict[str, str]:
+    """``cache_config_info``'s labels: the KV cache settings as resolved, and the pool's size in tokens."""
+    labels = {name: str(value) for name, value in dataclasses.asdict(engine.config.kv).items()}
+    labels["capacity_tokens"] = str(engine.kv_cache.manager.capacity_tokens)
+    return labels
+
+
 class ServerContext:
     """What the routes share: the engine loop, its settings and metrics, and the tokenizer."""
 
     def __init__(self, engine: LLMEngine, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.metrics = ServerMetrics(lambda: self.engine_loop.stats())
+        self.metrics = ServerMetrics(
+            lambda: self.engine_loop.stats(), engine.max_model_len, cache_labels(engine)
+        )
         self.engine_loop = EngineLoop(engine, self.metrics)
         self.created = int(time.time())
         self._ids = itertools.count()
@@ -110,8 +119,9 @@ class ServerContext:
                 "model",
             )
 
-    def new_id(self, prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    def new_id(self, prefix: str, request_id: str | None = None) -> str:
+        """A response id; from the client's ``request_id`` where it sent one, as vLLM builds it."""
+        return f"{prefix}-{request_id or uuid.uuid4().hex[:24]}"
 
     async def start(
         self,
