@@ -181,6 +181,9 @@ class CudaGraphConfig:
     # The decode graphs of up to 16 rows also compute the logits (the LM head) and their argmax, which a
     # batch of greedy rows then takes as its tokens; off (and above 16 rows): they run after the replay.
     logits: bool = True
+    # One sequence's prefill of up to 511 tokens also replays a graph (buckets of 16 ... 512 tokens): a
+    # short prompt's time to first token is otherwise the host launching a few hundred kernels.
+    prefill: bool = True
     # Start each decode step's successor on the GPU (fed the new tokens on the device) before the host
     # reads and processes them; used when the next step turns out to be exactly that. None (auto): on
     # wherever CUDA graphs are.
@@ -276,6 +279,7 @@ PLAIN_PATH: dict[str, Any] = {
     "programmatic_launch": False,
     "cuda_graphs": False,
     "cuda_graph_logits": False,
+    "cuda_graph_prefill": False,
     "overlap_decode": False,
     "chunked_prefill": False,
     "prefix_caching": False,
@@ -295,6 +299,7 @@ _ALIASES: dict[str, tuple[str, str]] = {
     "cuda_graphs": ("graphs", "enabled"),
     "cuda_graph_max_batch_size": ("graphs", "max_batch_size"),
     "cuda_graph_logits": ("graphs", "logits"),
+    "cuda_graph_prefill": ("graphs", "prefill"),
 }
 
 

@@ -18,6 +18,7 @@ from tokenmill.models import CausalLM
 from tokenmill.outputs import RowLogprobs
 from tokenmill.runner.cuda_graphs import CaptureReport, DecodeGraphRunner
 from tokenmill.runner.kv_cache import KVCache
+from tokenmill.runner.prefill_graphs import PrefillGraphRunner
 from tokenmill.runner.sampler import (
     Sampler,
     SamplerOutput,
@@ -76,11 +77,13 @@ class ModelRunner:
         logits_in_graph: bool = False,
         overlap: bool = False,
         structured: StructuredOutputs | None = None,
+        prefill_graph_sizes: Sequence[int] = (),
     ) -> None:
         """``graph_sizes``: the decode batch sizes to capture in CUDA graphs (none: decode eagerly);
         ``logits_in_graph``: those graphs also compute the logits and their argmax (up to 16 rows);
         ``overlap``: a decode step's successor may be started before the step is read; ``structured``:
-        the token masks of sequences with a grammar (needed once one is added)."""
+        the token masks of sequences with a grammar (needed once one is added); ``prefill_graph_sizes``:
+        the token buckets of one-sequence prefill graphs (none: prefill eagerly)."""
         self.model = model
         self.backend = backend
         self.sampler = sampler
@@ -106,6 +109,15 @@ class ModelRunner:
             )
             self.graph_capture = self.decode_graphs.capture()
             logger.info(self.graph_capture.describe())
+        self.prefill_graphs: PrefillGraphRunner | None = None
+        self.prefill_capture: CaptureReport | None = None
+        if prefill_graph_sizes and kv.layers is not None:
+            self.prefill_graphs = PrefillGraphRunner(
+                model, backend, kv.layers, kv.manager, prefill_graph_sizes, max_model_len
+            )
+            if self.device.type == "cuda":
+                self.prefill_capture = self.prefill_graphs.capture()
+                logger.info(self.prefill_capture.describe())
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> PendingStep:
@@ -115,6 +127,8 @@ class ModelRunner:
             return PendingStep(chunks, self._sample(chunks, logits, argmax), StepResult())
         if graphs is not None:
             graphs.drop_started_step()
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(chunks):
+            return self._prefill_from_graph(chunks[0])
         arrays = build_step_arrays(chunks, self.kv.manager)
         sampled_chunks = [chunk for chunk in chunks if chunk.samples_next_token]
         dev = pack_to_device(arrays, self.device)
@@ -127,6 +141,14 @@ class ModelRunner:
             return PendingStep(sampled_chunks, None, result)
         logits = self.model.compute_logits(hidden[dev["sample_rows"]])
         return PendingStep(sampled_chunks, self._sample(sampled_chunks, logits), result)
+
+    def _prefill_from_graph(self, chunk: ScheduledChunk) -> PendingStep:
+        assert self.prefill_graphs is not None
+        hidden = self.prefill_graphs.run(chunk)
+        if not chunk.samples_next_token:
+            return PendingStep([], None, StepResult())
+        logits = self.model.compute_logits(hidden[-1:])
+        return PendingStep([chunk], self._sample([chunk], logits), StepResult())
 
     def can_start_next_step(self, step: PendingStep) -> bool:
         """Whether the decode step after ``step`` can be enqueued before ``step`` is read: ``step`` ran
