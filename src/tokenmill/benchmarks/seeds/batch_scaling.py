@@ -18,9 +18,9 @@ class BatchRow:
 
 
 def pool_blocks(setup: SeedSetup, batch_size: int, total_len: int) -> int:
-    """Blocks for ``batch_size`` sequences of ``total_len`` tokens (plus the warm-up's one request)."""
+    """Blocks for ``batch_size`` sequences of ``total_len`` tokens (the warm-up's are free again by then)."""
     block_size = setup.base.kv.block_size
-    return (batch_size + 1) * -(-total_len // block_size)
+    return batch_size * -(-total_len // block_size)
 
 
 def measure_batch_scaling(setup: SeedSetup) -> list[BatchRow]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.benchmarks.report import fmt_bytes
 from tokenmill.benchmarks.seeds.engines import (
     BatchRun,
     SeedSetup,
@@ -83,7 +84,7 @@ def measure_kv_memory(setup: SeedSetup) -> MemoryTable:
         if failed_at is not None:
             failure = f"more than batch {failed_at}, which ran out"
         elif limit is not None and needed > limit:
-            failure = f"needs {needed / GIB:.2f} GiB > the {limit / GIB:g} GiB limit (refused)"
+            failure = f"needs {fmt_bytes(needed)} > the {fmt_bytes(limit)} limit (refused)"
         else:
             run, failure = _contiguous_run(setup, batch_size)
         if run is None and failed_at is None:
@@ -91,7 +92,7 @@ def measure_kv_memory(setup: SeedSetup) -> MemoryTable:
         blocks_needed = batch_size * -(-tokens // block_size)
         rows.append(MemoryRow(batch_size, needed, run, failure, paged, blocks_needed, pool_blocks))
         print(f"memory table: batch {batch_size}: contiguous {failure or 'ran'}", flush=True)
-    limit_text = f"{limit / GIB:g} GiB (kv_limit_gib)" if limit else "the GPU's free memory"
+    limit_text = f"{fmt_bytes(limit)} (kv_limit_gib)" if limit else "the GPU's free memory"
     return MemoryTable(rows, sizes.context_len * per_token, block_size * per_token, limit_text)
 
 

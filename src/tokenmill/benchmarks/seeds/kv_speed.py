@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from tokenmill.benchmarks.seeds.engines import SeedSetup, engine_for, fixed_workload, serve_at_once
 from tokenmill.benchmarks.seeds.published import KV_CACHE_SPEEDUP
+from tokenmill.config import EngineConfig
 
 CACHED, RECOMPUTE = "paged", "none"
 
@@ -33,14 +34,18 @@ def row_shapes(setup: SeedSetup) -> list[tuple[str, int, int]]:
     return by_gen + by_prompt
 
 
+def speed_config(setup: SeedSetup, mode: str) -> EngineConfig:
+    """One request at a time, with the KV cache (``paged``) or recomputing every step (``none``)."""
+    return setup.config(kv_cache=mode, max_num_seqs=1)
+
+
 def measure_kv_speed(setup: SeedSetup) -> list[SpeedRow]:
     """Each shape served alone by the cached engine and by the recomputing one (an engine each, reused
     over the rows); output tokens over the request's whole time, prefill included, as the seed timed it."""
     shapes = row_shapes(setup)
     speeds: dict[str, list[float]] = {}
     for mode in (CACHED, RECOMPUTE):
-        config = setup.config(kv_cache=mode, max_num_seqs=1)
-        with engine_for(setup, config) as engine:
+        with engine_for(setup, speed_config(setup, mode)) as engine:
             speeds[mode] = [
                 serve_at_once(engine, fixed_workload(setup, 1, prompt, gen)).tokens_per_s
                 for _, prompt, gen in shapes
