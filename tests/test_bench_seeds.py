@@ -26,6 +26,7 @@ from tokenmill.benchmarks.seeds.engines import (
 from tokenmill.benchmarks.seeds.kv_memory import measure_kv_memory
 from tokenmill.benchmarks.seeds.kv_speed import CACHED, RECOMPUTE, measure_kv_speed, speed_config
 from tokenmill.benchmarks.seeds.published import KV_CACHE_SPEEDUP
+from tokenmill.benchmarks.seeds.report import render
 from tokenmill.benchmarks.seeds.serving import BATCHED, SEQUENTIAL, closed_loop
 from tokenmill.benchmarks.seeds.sizes import SeedSizes
 from tokenmill.engine.llm_engine import LLMEngine
@@ -246,6 +247,7 @@ def test_the_command_writes_every_table_beside_the_seed(tiny_gpt2_folder: Path, 
     for heading in ("## 1. KV cache", "## 2. Batch-size", "## 3. Contiguous vs paged", "## 4. Serving"):
         assert heading in report
     assert "contiguous runs out of memory at batch 4" in report  # 4 slabs of 384 KiB > 1 MiB
+    assert report.count("Seed (GPT-2 124M, float32, from another machine (A100, seed's README))") == 4
     if pyplot() is not None:
         assert (tmp_path / "seeds.png").stat().st_size > 0
 
@@ -254,3 +256,15 @@ def test_a_preset_name_loads_dummy_weights_and_a_folder_its_own(tiny_gpt2_folder
     assert command.model_and_format(None, "auto") == ("gpt2", "dummy")
     assert command.model_and_format("llama-3.2-1b", "auto") == ("llama-3.2-1b", "dummy")
     assert command.model_and_format(str(tiny_gpt2_folder), "auto") == (str(tiny_gpt2_folder), "auto")
+
+
+def test_a_table_that_fails_is_reported_and_the_others_still_run(setup: SeedSetup, monkeypatch: Any) -> None:
+    def fail(_: SeedSetup) -> None:
+        raise RuntimeError("the kernel broke")
+
+    monkeypatch.setattr(command, "measure_kv_speed", fail)
+    tables = in_thread(lambda: command.measure_tables(setup, ("kv-cache", "serving")))
+    assert tables.failures == {"kv-cache": "RuntimeError: the kernel broke"}
+    assert [row.users for row in tables.serving] == list(TINY.users)
+    text = render(tables, ["# intro"], "RSS")
+    assert "## kv-cache: FAILED" in text and "## 4. Serving" in text and "## 1. KV cache" not in text

@@ -38,7 +38,13 @@ from tokenmill.benchmarks.report import (
     report_dir,
 )
 from tokenmill.benchmarks.seeds.batch_scaling import measure_batch_scaling
-from tokenmill.benchmarks.seeds.engines import SeedSetup, base_config, fixed_workload, memory_measured
+from tokenmill.benchmarks.seeds.engines import (
+    SeedSetup,
+    base_config,
+    fixed_workload,
+    memory_measured,
+    release_memory,
+)
 from tokenmill.benchmarks.seeds.kv_memory import measure_kv_memory
 from tokenmill.benchmarks.seeds.kv_speed import measure_kv_speed
 from tokenmill.benchmarks.seeds.report import SeedTables, plot, render
@@ -119,16 +125,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure_tables(setup: SeedSetup, names: tuple[str, ...]) -> SeedTables:
+    """Each table asked for; one that fails is reported as failed and the others still run."""
     tables = SeedTables()
-    if "kv-cache" in names:
-        tables.speed = measure_kv_speed(setup)
-    if "batch" in names:
-        tables.batch = measure_batch_scaling(setup)
-    if "memory" in names:
-        tables.memory = measure_kv_memory(setup)
-    if "serving" in names:
-        tables.serving = measure_serving(setup)
+    for name in names:
+        try:
+            _measure(setup, name, tables)
+        except Exception as error:
+            release_memory(setup.device)
+            tables.failures[name] = f"{type(error).__name__}: {error}"
+            print(f"table {name} FAILED: {tables.failures[name]}", file=sys.stderr, flush=True)
     return tables
+
+
+def _measure(setup: SeedSetup, name: str, tables: SeedTables) -> None:
+    if name == "kv-cache":
+        tables.speed = measure_kv_speed(setup)
+    elif name == "batch":
+        tables.batch = measure_batch_scaling(setup)
+    elif name == "memory":
+        tables.memory = measure_kv_memory(setup)
+    elif name == "serving":
+        tables.serving = measure_serving(setup)
 
 
 def main(argv: list[str] | None = None) -> int:

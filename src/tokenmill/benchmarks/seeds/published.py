@@ -35,14 +35,27 @@ KV_MEMORY = (
 SERVING_SPEEDUP = {64: 11.1}
 
 
-def seed_lines() -> list[str]:
-    """The seed's numbers as Markdown bullets, for the report's reference section."""
+def seed_speed_line() -> str:
     speedups = ", ".join(f"{n} tokens {r:.2f}x" for n, r in KV_CACHE_SPEEDUP.items())
+    return f"KV cache over recompute by generation length: {speedups}"
+
+
+def seed_batch_line() -> str:
     low, high = BATCH_SCALING[1], BATCH_SCALING[512]
-    return [
-        f"- KV cache vs recompute by generation length: {speedups}",
-        f"- batch 1 -> 512: {low[0]:,.0f} -> {high[0]:,.0f} tok/s ({BATCH_SCALING_SPEEDUP:.0f}x), "
-        f"peak memory {low[1]} -> {high[1]}",
-        *(f"- {number.row}: {number.value}" for number in KV_MEMORY),
-        *(f"- serving, {users} users: batched {r}x sequential" for users, r in SERVING_SPEEDUP.items()),
-    ]
+    return (
+        f"batch 1 -> 512: {low[0]:,.0f} -> {high[0]:,.0f} tok/s ({BATCH_SCALING_SPEEDUP:.0f}x), "
+        f"peak memory {low[1]} -> {high[1]}"
+    )
+
+
+def seed_memory_line() -> str:
+    return "; ".join(f"{number.row}: {number.value}" for number in KV_MEMORY)
+
+
+def seed_serving_line() -> str:
+    return "; ".join(f"{users} users: batched {r}x sequential" for users, r in SERVING_SPEEDUP.items())
+
+
+def seed_note(line: str) -> str:
+    """A table's seed figures, as printed under it."""
+    return f"Seed ({SEED_WORKLOAD}, {SEED_SOURCE}): {line}."

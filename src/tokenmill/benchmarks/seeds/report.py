@@ -8,7 +8,13 @@ from tokenmill.benchmarks.report import Provenance, fmt_bytes, fmt_ratio, markdo
 from tokenmill.benchmarks.seeds.batch_scaling import BatchRow
 from tokenmill.benchmarks.seeds.kv_memory import MemoryTable
 from tokenmill.benchmarks.seeds.kv_speed import SpeedRow
-from tokenmill.benchmarks.seeds.published import SEED_SOURCE, SEED_WORKLOAD, seed_lines
+from tokenmill.benchmarks.seeds.published import (
+    seed_batch_line,
+    seed_memory_line,
+    seed_note,
+    seed_serving_line,
+    seed_speed_line,
+)
 from tokenmill.benchmarks.seeds.serving import ServingRow
 
 SEED_COLUMN = "seed (A100)"
@@ -20,6 +26,7 @@ class SeedTables:
     batch: list[BatchRow] = field(default_factory=list)
     memory: MemoryTable | None = None
     serving: list[ServingRow] = field(default_factory=list)
+    failures: dict[str, str] = field(default_factory=dict)  # table -> the error that stopped it
 
 
 def _rate(value: float) -> str:
@@ -37,7 +44,8 @@ def speed_section(rows: list[SpeedRow]) -> list[str]:
          fmt_ratio(r.speedup), fmt_ratio(r.seed_speedup)]
         for r in rows
     ]  # fmt: skip
-    return ["## 1. KV cache vs recompute (one request at a time)", "", markdown_table(headers, body)]
+    title = "## 1. KV cache vs recompute (one request at a time)"
+    return [title, "", markdown_table(headers, body), "", seed_note(seed_speed_line())]
 
 
 def batch_section(rows: list[BatchRow], memory_measured: str) -> list[str]:
@@ -54,7 +62,8 @@ def batch_section(rows: list[BatchRow], memory_measured: str) -> list[str]:
              _rate(seed[0]) if seed else "-", seed[1] if seed else "-"]
         )  # fmt: skip
     note = f"Peak memory: {memory_measured}. Each batch's paged pool holds exactly that batch."
-    return ["## 2. Batch-size scaling", "", note, "", markdown_table(headers, body)]
+    table = markdown_table(headers, body)
+    return ["## 2. Batch-size scaling", "", note, "", table, "", seed_note(seed_batch_line())]
 
 
 def memory_section(table: MemoryTable) -> list[str]:
@@ -79,7 +88,8 @@ def memory_section(table: MemoryTable) -> list[str]:
         f"- paged runs out of blocks at batch {table.paged_exhausted() or '- (not in the ladder)'} "
         f"(one block {fmt_bytes(table.block_bytes)})",
     ]
-    return ["## 3. Contiguous vs paged KV memory", "", markdown_table(headers, body), "", *found]
+    text = markdown_table(headers, body)
+    return ["## 3. Contiguous vs paged KV memory", "", text, "", *found, "", seed_note(seed_memory_line())]
 
 
 def serving_section(rows: list[ServingRow]) -> list[str]:
@@ -95,12 +105,11 @@ def serving_section(rows: list[ServingRow]) -> list[str]:
         for r in rows
     ]  # fmt: skip
     return ["## 4. Serving by concurrent users (sequential vs continuous batching)", "",
-            markdown_table(headers, body)]  # fmt: skip
+            markdown_table(headers, body), "", seed_note(seed_serving_line())]  # fmt: skip
 
 
 def render(tables: SeedTables, intro: list[str], memory_measured: str) -> str:
-    lines = [*intro, "", f"### The seed's published numbers ({SEED_WORKLOAD}; {SEED_SOURCE})", "",
-             *seed_lines(), ""]  # fmt: skip
+    lines = [*intro, ""]
     if tables.speed:
         lines += [*speed_section(tables.speed), ""]
     if tables.batch:
@@ -109,6 +118,8 @@ def render(tables: SeedTables, intro: list[str], memory_measured: str) -> str:
         lines += [*memory_section(tables.memory), ""]
     if tables.serving:
         lines += [*serving_section(tables.serving), ""]
+    for name, error in tables.failures.items():
+        lines += [f"## {name}: FAILED", "", f"    {error}", ""]
     return "\n".join(lines)
 
 

@@ -41,7 +41,7 @@ class SeedSizes:
 PRESETS = {
     # Small enough for 2 CPU cores: the whole command in a few minutes.
     "cpu": SeedSizes(
-        gen_lens=(16, 32, 64),
+        gen_lens=(32, 64, 128),
         gen_prompt_len=16,
         prompt_lens=(16, 64, 256),
         prompt_gen_len=16,
@@ -54,7 +54,7 @@ PRESETS = {
         context_len=1024,
         paged_pool_gib=0.25,
         kv_limit_gib=1.0,
-        users=(1, 4, 16),
+        users=(1, 4, 16, 32),
         min_requests=8,
         serve_input_len=32,
         serve_output_len=16,
