@@ -27,6 +27,7 @@ class SeedTables:
     memory: MemoryTable | None = None
     serving: list[ServingRow] = field(default_factory=list)
     failures: dict[str, str] = field(default_factory=dict)  # table -> the error that stopped it
+    seconds: dict[str, float] = field(default_factory=dict)  # table -> its wall time
 
 
 def _rate(value: float) -> str:

@@ -121,7 +121,7 @@ def table_list(text: str) -> tuple[str, ...]:
     unknown = [name for name in names if name not in TABLES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown table '{text}'; choose from {', '.join(TABLES)}")
-    return names
+    return tuple(dict.fromkeys(names))
 
 
 def _parser_for(default: object) -> Any:
