@@ -28,7 +28,7 @@ from tokenmill.benchmarks.seeds.kv_speed import CACHED, RECOMPUTE, measure_kv_sp
 from tokenmill.benchmarks.seeds.published import KV_CACHE_SPEEDUP
 from tokenmill.benchmarks.seeds.report import render
 from tokenmill.benchmarks.seeds.serving import BATCHED, SEQUENTIAL, closed_loop
-from tokenmill.benchmarks.seeds.sizes import SeedSizes
+from tokenmill.benchmarks.seeds.sizes import PRESETS, SeedSizes, check_sizes
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
 
@@ -268,3 +268,11 @@ def test_a_table_that_fails_is_reported_and_the_others_still_run(setup: SeedSetu
     assert [row.users for row in tables.serving] == list(TINY.users)
     text = render(tables, ["# intro"], "RSS")
     assert "## kv-cache: FAILED" in text and "## 4. Serving" in text and "## 1. KV cache" not in text
+
+
+def test_the_presets_fit_gpt2s_context_and_a_request_too_long_is_named() -> None:
+    for sizes in PRESETS.values():
+        check_sizes(sizes)
+        assert sizes.context_len <= 1024  # GPT-2's n_positions
+    with pytest.raises(ValueError, match="a request of 1016 tokens does not fit --context-len 512"):
+        check_sizes(replace(PRESETS["gpu"], context_len=512))
