@@ -87,14 +87,18 @@ def count_forward_tokens(engine: LLMEngine) -> list[int]:
 
 
 def test_the_recompute_engine_processes_the_whole_sequence_every_step(setup: SeedSetup) -> None:
-    prompt, generated = 8, 12
+    """And the cached engine the prompt once, on a second row with the same prompt too (the prefix cache
+    is emptied between rows, so no row is served from an earlier one)."""
+    prompt, generated = 20, 12  # a full block of the prompt would be cached
+    workload = fixed_workload(setup, 1, prompt, generated)
     processed = {}
     for mode in (CACHED, RECOMPUTE):
         with engine_for(setup, speed_config(setup, mode)) as engine:
             counts = count_forward_tokens(engine)
-            run = in_thread(lambda: serve_at_once(engine, fixed_workload(setup, 1, prompt, generated)))
-            assert run.output_tokens == generated
-            processed[mode] = sum(counts)
+            for _ in range(2):
+                run = in_thread(lambda: serve_at_once(engine, workload))
+                assert run.output_tokens == generated
+            processed[mode] = sum(counts) / 2
     assert processed[CACHED] == prompt + generated - 1  # the prompt once, then one token per step
     assert processed[RECOMPUTE] == sum(prompt + step for step in range(generated))
 

@@ -17,6 +17,7 @@ from tokenmill.cache import kv_bytes_per_token
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel
+from tokenmill.sampling_params import SamplingParams
 
 WARMUP_TOKENS = 4
 
@@ -79,8 +80,6 @@ def release_memory(device: torch.device) -> None:
 
 
 def warm_up(engine: LLMEngine) -> None:
-    from tokenmill.sampling_params import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
     engine.add_request("seeds-warmup", [1, 2, 3, 4, 5, 6, 7, 8], params)
     while engine.has_unfinished_requests():
@@ -107,7 +106,9 @@ class BatchRun:
 
 
 def serve_at_once(engine: LLMEngine, workload: Workload) -> BatchRun:
-    """Add every request of ``workload``, step until all finish; count tokens, time, KV and memory."""
+    """Add every request of ``workload``, step until all finish; count tokens, time, KV and memory. The
+    prefix cache starts empty: rows reuse prompts, and a row must not find an earlier row's KV."""
+    engine.reset_prefix_cache()
     memory = PeakMemory(engine.device)
     preempted_before = engine.scheduler_stats().num_preemptions
     synchronize(engine.device)
@@ -128,7 +129,6 @@ def serve_at_once(engine: LLMEngine, workload: Workload) -> BatchRun:
     synchronize(engine.device)
     elapsed = time.perf_counter() - start
     preemptions = engine.scheduler_stats().num_preemptions - preempted_before
-    engine.reset_prefix_cache()
     pool = engine.kv_cache_memory().pool_bytes
     return BatchRun(
         workload.num_requests,

@@ -59,6 +59,7 @@ class ServingRow:
 
 def closed_loop(engine: LLMEngine, workload: Workload, users: int) -> LoadRun:
     """``users`` requests in flight at a time: each finished one makes room for the next."""
+    engine.reset_prefix_cache()  # every level sends the same first prompts: none may find them cached
     pending = list(workload.requests)
     submitted: dict[str, float] = {}
     latencies: list[float] = []
