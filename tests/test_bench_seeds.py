@@ -280,3 +280,8 @@ def test_the_presets_fit_gpt2s_context_and_a_request_too_long_is_named() -> None
         assert sizes.context_len <= 1024  # GPT-2's n_positions
     with pytest.raises(ValueError, match="a request of 1016 tokens does not fit --context-len 512"):
         check_sizes(replace(PRESETS["gpu"], context_len=512))
+
+
+def test_allocating_until_it_fails_is_refused_on_cpu_before_loading() -> None:
+    with pytest.raises(ValueError, match="is for a GPU"):
+        command.main(["--device", "cpu", "--tables", "memory", "--kv-limit-gib", "0"])

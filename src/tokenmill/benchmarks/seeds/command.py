@@ -79,6 +79,8 @@ def setup_for(args: argparse.Namespace) -> SeedSetup:
     if preset == "auto":
         preset = "gpu" if device.type == "cuda" else "cpu"
     sizes = sizes_from(args, preset)
+    if sizes.kv_limit_gib == 0 and device.type != "cuda" and "memory" in args.tables:
+        raise ValueError("--kv-limit-gib 0 (allocate until it fails) is for a GPU: give a limit on CPU")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, load_format = model_and_format(args.model, args.load_format)
