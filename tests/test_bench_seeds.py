@@ -26,7 +26,7 @@ from tokenmill.benchmarks.seeds.engines import (
 from tokenmill.benchmarks.seeds.kv_memory import measure_kv_memory
 from tokenmill.benchmarks.seeds.kv_speed import CACHED, RECOMPUTE, measure_kv_speed, speed_config
 from tokenmill.benchmarks.seeds.published import KV_CACHE_SPEEDUP
-from tokenmill.benchmarks.seeds.report import render
+from tokenmill.benchmarks.seeds.report import Roofline, render
 from tokenmill.benchmarks.seeds.serving import BATCHED, SEQUENTIAL, closed_loop
 from tokenmill.benchmarks.seeds.sizes import PRESETS, SeedSizes, check_sizes
 from tokenmill.engine.llm_engine import LLMEngine
@@ -251,6 +251,7 @@ def test_the_command_writes_every_table_beside_the_seed(tiny_gpt2_folder: Path, 
     for heading in ("## 1. KV cache", "## 2. Batch-size", "## 3. Contiguous vs paged", "## 4. Serving"):
         assert heading in report
     assert "contiguous runs out of memory at batch 4" in report  # 4 slabs of 384 KiB > 1 MiB
+    assert "Share of copy bandwidth" in report and report.count("of copy BW") == 2
     assert report.count("Seed (GPT-2 124M, float32, from another machine (A100, seed's README))") == 4
     if pyplot() is not None:
         assert (tmp_path / "seeds.png").stat().st_size > 0
@@ -285,3 +286,9 @@ def test_the_presets_fit_gpt2s_context_and_a_request_too_long_is_named() -> None
 def test_allocating_until_it_fails_is_refused_on_cpu_before_loading() -> None:
     with pytest.raises(ValueError, match="is for a GPU"):
         command.main(["--device", "cpu", "--tables", "memory", "--kv-limit-gib", "0"])
+
+
+def test_the_bandwidth_share_counts_the_weights_once_per_step_and_the_kv_per_sequence() -> None:
+    roofline = Roofline(bandwidth_bytes_per_s=1000.0, weight_bytes=100, kv_bytes_per_token=4)
+    # 10 tok/s at batch 2 is 5 steps/s, each reading 100 weight bytes + 2 sequences x 3 tokens x 4 bytes.
+    assert roofline.share(10.0, 2, 3.0) == pytest.approx((100 + 2 * 3 * 4) * 5 / 1000)

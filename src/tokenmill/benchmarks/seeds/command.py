@@ -29,6 +29,7 @@ from pathlib import Path
 from tokenmill.benchmarks.arguments import add_seeds_arguments as add_arguments
 from tokenmill.benchmarks.common import run_as_script
 from tokenmill.benchmarks.correctness import check_fast_path
+from tokenmill.benchmarks.latency import measure_copy_bandwidth, weight_bytes_read_per_token
 from tokenmill.benchmarks.report import (
     describe_model,
     detect_hardware,
@@ -47,7 +48,7 @@ from tokenmill.benchmarks.seeds.engines import (
 )
 from tokenmill.benchmarks.seeds.kv_memory import measure_kv_memory
 from tokenmill.benchmarks.seeds.kv_speed import measure_kv_speed
-from tokenmill.benchmarks.seeds.report import SeedTables, plot, render
+from tokenmill.benchmarks.seeds.report import Roofline, SeedTables, plot, render
 from tokenmill.benchmarks.seeds.serving import measure_serving
 from tokenmill.benchmarks.seeds.sizes import sizes_from
 from tokenmill.engine.llm_engine import resolve_device
@@ -117,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
         + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in tables.seconds.items())
         + ")",
     ]  # fmt: skip
-    text = render(tables, intro, memory_measured(setup.device))
+    lengths = (setup.sizes.batch_input_len, setup.sizes.batch_output_len)
+    text = render(tables, intro, memory_measured(setup.device), lengths)
     print(text, flush=True)
     directory = report_dir(args.report_dir, f"seeds-{model_name}-{device_kind(hardware)}")
     directory.mkdir(parents=True, exist_ok=True)
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 def measure_tables(setup: SeedSetup, names: tuple[str, ...]) -> SeedTables:
     """Each table asked for; one that fails is reported as failed and the others still run. The memory
     table runs last: on a GPU it allocates until the allocation fails."""
-    tables = SeedTables()
+    tables = SeedTables(roofline=roofline(setup))
     for name in sorted(names, key=RUN_ORDER.index):
         started = time.perf_counter()
         try:
@@ -143,6 +145,11 @@ def measure_tables(setup: SeedSetup, names: tuple[str, ...]) -> SeedTables:
             tables.failures[name] = f"{type(error).__name__}: {error}"
             print(f"table {name} FAILED: {tables.failures[name]}", file=sys.stderr, flush=True)
     return tables
+
+
+def roofline(setup: SeedSetup) -> Roofline:
+    bandwidth = measure_copy_bandwidth(setup.device)
+    return Roofline(bandwidth, weight_bytes_read_per_token(setup.loaded.model), setup.kv_bytes_per_token())
 
 
 def _measure(setup: SeedSetup, name: str, tables: SeedTables) -> None:

@@ -28,6 +28,30 @@ class SeedTables:
     serving: list[ServingRow] = field(default_factory=list)
     failures: dict[str, str] = field(default_factory=dict)  # table -> the error that stopped it
     seconds: dict[str, float] = field(default_factory=dict)  # table -> its wall time
+    roofline: "Roofline | None" = None
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """What bounds decoding: every step reads the weights once and each sequence's KV, at the copy
+    bandwidth measured in the same run."""
+
+    bandwidth_bytes_per_s: float
+    weight_bytes: int  # read per decode step
+    kv_bytes_per_token: int
+
+    def share(self, tokens_per_s: float, batch_size: int, mean_context: float) -> float:
+        """The share of the bandwidth a decode rate uses (1.0: memory-bound), prefill time counted too."""
+        step_bytes = self.weight_bytes + batch_size * mean_context * self.kv_bytes_per_token
+        return step_bytes * tokens_per_s / batch_size / self.bandwidth_bytes_per_s
+
+    def describe(self) -> str:
+        return (
+            f"Share of copy bandwidth: (weights {fmt_bytes(self.weight_bytes)} + each sequence's KV at its "
+            f"mean context) per step over the step's time, at {self.bandwidth_bytes_per_s / 1e9:.1f} GB/s "
+            "measured by a device copy in this run; the time includes the prefill, so the share is a lower "
+            "bound."
+        )
 
 
 def _rate(value: float) -> str:
@@ -38,26 +62,38 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.0f}"
 
 
-def speed_section(rows: list[SpeedRow]) -> list[str]:
-    headers = ["varies", "prompt", "generated", "KV cache tok/s", "recompute tok/s", "ratio", SEED_COLUMN]
+def _share(roofline: Roofline | None, tokens_per_s: float, batch: int, prompt: int, generated: int) -> str:
+    if roofline is None:
+        return "-"
+    return f"{roofline.share(tokens_per_s, batch, prompt + generated / 2):.1%}"
+
+
+def speed_section(rows: list[SpeedRow], roofline: Roofline | None) -> list[str]:
+    headers = ["varies", "prompt", "generated", "KV cache tok/s", "of copy BW", "recompute tok/s", "ratio",
+               SEED_COLUMN]  # fmt: skip
     body = [
-        [r.axis, str(r.prompt_len), str(r.gen_len), _rate(r.cached_tok_s), _rate(r.recompute_tok_s),
+        [r.axis, str(r.prompt_len), str(r.gen_len), _rate(r.cached_tok_s),
+         _share(roofline, r.cached_tok_s, 1, r.prompt_len, r.gen_len), _rate(r.recompute_tok_s),
          fmt_ratio(r.speedup), fmt_ratio(r.seed_speedup)]
         for r in rows
     ]  # fmt: skip
     title = "## 1. KV cache vs recompute (one request at a time)"
-    return [title, "", markdown_table(headers, body), "", seed_note(seed_speed_line())]
+    notes = [roofline.describe(), ""] if roofline else []
+    return [title, "", *notes, markdown_table(headers, body), "", seed_note(seed_speed_line())]
 
 
-def batch_section(rows: list[BatchRow], memory_measured: str) -> list[str]:
-    headers = ["batch", "tok/s", "vs batch 1", "peak memory", "KV used (peak)", "KV pool", "seed tok/s",
-               "seed peak"]  # fmt: skip
+def batch_section(
+    rows: list[BatchRow], memory_measured: str, roofline: Roofline | None, lengths: tuple[int, int]
+) -> list[str]:
+    headers = ["batch", "tok/s", "vs batch 1", "of copy BW", "peak memory", "KV used (peak)", "KV pool",
+               "seed tok/s", "seed peak"]  # fmt: skip
     base = rows[0].run.tokens_per_s if rows else 1.0
     body = []
     for row in rows:
         run, seed = row.run, row.seed()
         body.append(
             [str(row.batch_size), _rate(run.tokens_per_s), fmt_ratio(run.tokens_per_s / base),
+             _share(roofline, run.tokens_per_s, row.batch_size, *lengths),
              fmt_bytes(run.peak_memory_bytes), fmt_bytes(run.peak_kv_used_bytes),
              fmt_bytes(run.kv_pool_bytes),
              _rate(seed[0]) if seed else "-", seed[1] if seed else "-"]
@@ -109,12 +145,14 @@ def serving_section(rows: list[ServingRow]) -> list[str]:
             markdown_table(headers, body), "", seed_note(seed_serving_line())]  # fmt: skip
 
 
-def render(tables: SeedTables, intro: list[str], memory_measured: str) -> str:
+def render(
+    tables: SeedTables, intro: list[str], memory_measured: str, batch_lengths: tuple[int, int] = (0, 0)
+) -> str:
     lines = [*intro, ""]
     if tables.speed:
-        lines += [*speed_section(tables.speed), ""]
+        lines += [*speed_section(tables.speed, tables.roofline), ""]
     if tables.batch:
-        lines += [*batch_section(tables.batch, memory_measured), ""]
+        lines += [*batch_section(tables.batch, memory_measured, tables.roofline, batch_lengths), ""]
     if tables.memory is not None:
         lines += [*memory_section(tables.memory), ""]
     if tables.serving:
