@@ -53,6 +53,7 @@ TINY = SeedSizes(
     min_requests=3,
     serve_input_len=8,
     serve_output_len=6,
+    repeats=2,
 )
 KV_BYTES_PER_TOKEN = 2 * N_LAYER * N_EMBD * 4  # K and V, every layer, float32: the naive count
 

