@@ -34,6 +34,7 @@ BENCHMARKS = {
         "tokenmill.benchmarks.structured.command",
         "structured outputs: mask cost per grammar backend, overhead",
     ),
+    "seeds": ("tokenmill.benchmarks.seeds.command", "the seed engines' result tables, on this machine"),
 }
 # The command line's own temperature: milder than SamplingParams' (and OpenAI's) 1.0, for text that reads
 # well in a terminal from a small model; the server and LLM.generate keep 1.0.

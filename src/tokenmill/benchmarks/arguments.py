@@ -14,6 +14,8 @@ from typing import Any
 from tokenmill.benchmarks.ladder.rungs import RUNGS
 from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
 from tokenmill.benchmarks.scenarios.workloads import WORKLOADS
+from tokenmill.benchmarks.seeds.sizes import PRESETS as SEED_PRESETS
+from tokenmill.benchmarks.seeds.sizes import TABLES, add_size_arguments, table_list
 from tokenmill.benchmarks.workload import DATASETS, parse_length_range
 from tokenmill.config import EngineConfig, StructuredOutputBackendName
 from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
@@ -331,6 +333,34 @@ def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--report-dir", type=Path, default=None, help="also write structured.md/.json here")
 
 
+def add_seeds_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.set_defaults(dtype="float32")  # the seed's GPT-2 ran in float32
+    for action in parser._actions:
+        if action.dest == "model":
+            action.help = "a preset (dummy weights, default gpt2) or a model folder (its real weights)"
+        elif action.dest == "load_format":
+            action.help = "default: auto (dummy for a preset name)"
+        elif action.dest == "dtype":
+            action.help = "default: float32, as the seed"
+    group = parser.add_argument_group("seeds")
+    group.add_argument(
+        "--tables",
+        type=table_list,
+        default=TABLES,
+        help=f"comma-separated, of {', '.join(TABLES)} (default: all)",
+    )
+    group.add_argument(
+        "--preset",
+        choices=("auto", *SEED_PRESETS),
+        default="auto",
+        help="sizes: auto = gpu on CUDA, else cpu",
+    )
+    group.add_argument("--quick", action="store_true", help="the cpu preset's small sizes, on any device")
+    _report_dir_argument(group, "seeds-<model>-<device>")
+    add_size_arguments(parser)
+
+
 BENCHMARK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "ladder": add_ladder_arguments,
     "latency": add_latency_arguments,
@@ -340,4 +370,5 @@ BENCHMARK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "kernels": add_kernels_arguments,
     "scenarios": add_scenarios_arguments,
     "structured": add_structured_arguments,
+    "seeds": add_seeds_arguments,
 }
