@@ -215,14 +215,20 @@ def test_logprobs_match_log_softmax_of_the_reference_logits(smollm2) -> None:  #
         SamplingParams(temperature=0, max_tokens=1, logprobs=3, prompt_logprobs=2),
     )[0]
     reference = torch.log_softmax(greedy_generate(smollm2.model, prompt_ids, 1).prompt_logits, -1)
-    entry = out.outputs[0].logprobs[0]
-    assert entry.token_id == int(reference.argmax()) and entry.rank == 1
-    assert abs(entry.logprob - float(reference.max())) < 1e-4
-    assert [t for t, _ in entry.top] == reference.topk(3).indices.tolist()
+    token = out.outputs[0].token_ids[0]
+    position = out.outputs[0].logprobs[0]  # vLLM's shape: {token id: Logprob}
+    assert token == int(reference.argmax()) and position[token].rank == 1
+    assert abs(position[token].logprob - float(reference.max())) < 1e-4
+    top3 = reference.topk(3).indices.tolist()
+    assert list(position) == top3 and [position[t].rank for t in top3] == [1, 2, 3]
+    assert out.outputs[0].sampled_logprobs[0] is position[token]
+    assert position[token].decoded_token == llm.get_tokenizer().decode([token], skip_special_tokens=False)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt_ids)
     first = out.prompt_logprobs[1]
     first_logits = torch.log_softmax(greedy_generate(smollm2.model, prompt_ids[:1], 1).prompt_logits, -1)
-    assert first.token_id == prompt_ids[1] and abs(first.logprob - float(first_logits[prompt_ids[1]])) < 1e-4
+    assert abs(first[prompt_ids[1]].logprob - float(first_logits[prompt_ids[1]])) < 1e-4
+    more_likely = int((first_logits > first_logits[prompt_ids[1]]).sum())
+    assert len(first) <= 3 and first[prompt_ids[1]].rank == 1 + more_likely
 
 
 def test_chat_uses_the_template(smollm2) -> None:  # type: ignore[no-untyped-def]

@@ -62,13 +62,10 @@ def test_greedy_smollm2_outputs_are_identical_with_and_without_speculation(smoll
             ), method
             if ref.logprobs is not None:
                 assert mine.logprobs is not None
-                for a, b in zip(mine.logprobs, ref.logprobs, strict=True):
-                    assert (a.token_id, a.rank, [t for t, _ in a.top]) == (
-                        b.token_id,
-                        b.rank,
-                        [t for t, _ in b.top],
-                    )
-                    assert abs(a.logprob - b.logprob) < 1e-4
+                for a, b in zip(mine.logprobs, ref.logprobs, strict=True):  # {token id: Logprob}
+                    assert list(a) == list(b)
+                    for token, entry in a.items():
+                        assert entry.rank == b[token].rank and abs(entry.logprob - b[token].logprob) < 1e-4
         stats = llm.scheduler_stats().spec_decode
         assert stats.num_accepted > 0
         assert stats.num_emitted > stats.num_steps  # more than one token per verification step

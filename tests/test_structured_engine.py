@@ -141,12 +141,14 @@ def test_logprobs_are_those_of_the_constrained_distribution(smollm2, backend: st
         logprobs=8,
         structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
     )
-    first = run(engine, {"lp": (prompt, params)})["lp"].outputs[0].logprobs[0]  # type: ignore[index]
-    assert len(first.top) == min(8, len(allowed))  # no token the grammar forbids is an alternative
-    for token, logprob in first.top:
-        assert math.isclose(logprob, expected[token], abs_tol=1e-4), (token, logprob, expected[token])
-    assert math.isclose(sum(math.exp(lp) for _, lp in first.top), 1.0, abs_tol=1e-4)
-    assert first.token_id == max(expected, key=lambda t: expected[t]) and first.rank == 1
+    output = run(engine, {"lp": (prompt, params)})["lp"].outputs[0]
+    first = output.logprobs[0]  # type: ignore[index]
+    assert len(first) == min(8, len(allowed))  # no token the grammar forbids is an alternative
+    for token, entry in first.items():
+        assert math.isclose(entry.logprob, expected[token], abs_tol=1e-4), (token, entry, expected[token])
+    assert math.isclose(sum(math.exp(entry.logprob) for entry in first.values()), 1.0, abs_tol=1e-4)
+    sampled = output.token_ids[0]
+    assert sampled == max(expected, key=lambda t: expected[t]) and first[sampled].rank == 1
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])

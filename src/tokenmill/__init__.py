@@ -11,7 +11,7 @@ from tokenmill.config import EngineConfig
 
 if TYPE_CHECKING:
     from tokenmill.llm import LLM
-    from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
     from tokenmill.sampling_params import SamplingParams
     from tokenmill.structured.params import StructuredOutputsParams
 
@@ -20,6 +20,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "Logprob",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
@@ -27,6 +28,7 @@ __all__ = [
 _LAZY = {
     "LLM": "tokenmill.llm",
     "CompletionOutput": "tokenmill.outputs",
+    "Logprob": "tokenmill.outputs",
     "RequestOutput": "tokenmill.outputs",
     "SamplingParams": "tokenmill.sampling_params",
     "StructuredOutputsParams": "tokenmill.structured.params",

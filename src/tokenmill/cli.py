@@ -38,6 +38,7 @@ BENCHMARKS = {
         "tokenmill.benchmarks.speculative.command",
         "speculative decoding off / on: n-gram at batch 1 and 64, a draft model's round cost",
     ),
+    "seeds": ("tokenmill.benchmarks.seeds.command", "the seed engines' result tables, on this machine"),
 }
 # The command line's own temperature: milder than SamplingParams' (and OpenAI's) 1.0, for text that reads
 # well in a terminal from a small model; the server and LLM.generate keep 1.0.
@@ -166,6 +167,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: --model's)"
     )
+    group.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="tokens per streamed chunk after the first (default: adaptive, 1 up to 32 running "
+        "sequences, then one more per 32)",
+    )
     levels = ["critical", "error", "warning", "info", "debug"]
     group.add_argument("--log-level", default="info", choices=levels, help="uvicorn's (default: info)")
 
@@ -173,6 +181,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 def check_server_arguments(args: argparse.Namespace) -> None:
     if args.max_waiting is not None and args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.stream_interval is not None and args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     if not 0 <= args.port <= 65535:

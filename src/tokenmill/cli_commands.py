@@ -77,6 +77,7 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         api_key=args.api_key or None,
         max_waiting=args.max_waiting,
         request_timeout_s=args.request_timeout,
+        stream_interval=args.stream_interval,
     )
     url = f"http://{args.host}:{args.port}"
     print(f"tokenmill: serving '{settings.served_model_name}' on {url}", file=sys.stderr)

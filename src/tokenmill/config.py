@@ -9,6 +9,8 @@ name, unique across groups, which is its command-line flag (``--max-num-seqs``) 
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+from tokenmill.config_speculative import speculative_options
+
 KVCacheMode = Literal["none", "contiguous", "paged"]
 BatchingMode = Literal["sequential", "static", "continuous"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -182,6 +184,9 @@ class CudaGraphConfig:
     # The decode graphs of up to 16 rows also compute the logits (the LM head) and their argmax, which a
     # batch of greedy rows then takes as its tokens; off (and above 16 rows): they run after the replay.
     logits: bool = True
+    # One sequence's prefill of up to 511 tokens also replays a graph (buckets of 16 ... 512 tokens): a
+    # short prompt's time to first token is otherwise the host launching a few hundred kernels.
+    prefill: bool = True
     # Start each decode step's successor on the GPU (fed the new tokens on the device) before the host
     # reads and processes them; used when the next step turns out to be exactly that. None (auto): on
     # wherever CUDA graphs are.
@@ -242,35 +247,6 @@ class SpeculativeConfig:
         )
         _require_choice("speculative_load_format", self.load_format, ("auto", "dummy"))
         _require_at_least_one("speculative_disable_by_batch_size", self.disable_by_batch_size)
-
-
-SPECULATIVE_CONFIG_KEYS: dict[str, str] = {
-    "method": "speculative_method",
-    "num_speculative_tokens": "num_speculative_tokens",
-    "prompt_lookup_min": "prompt_lookup_min",
-    "prompt_lookup_max": "prompt_lookup_max",
-    "model": "speculative_model",
-    "load_format": "speculative_load_format",
-    "disable_by_batch_size": "speculative_disable_by_batch_size",
-}
-
-
-def speculative_options(speculative_config: dict[str, Any] | None) -> dict[str, Any]:
-    """A vLLM-style ``speculative_config`` dict (keys as vLLM names them) as flat options; an unknown key
-    is a ValueError."""
-    if speculative_config is None:
-        return {}
-    if not isinstance(speculative_config, dict):
-        raise ValueError(f"speculative_config must be a dict, got {speculative_config!r}")
-    unknown = sorted(set(speculative_config) - set(SPECULATIVE_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(
-            f"speculative_config has unknown key(s) {unknown}; known: {sorted(SPECULATIVE_CONFIG_KEYS)}"
-        )
-    options = {SPECULATIVE_CONFIG_KEYS[key]: value for key, value in speculative_config.items()}
-    if options.get("speculative_model") is not None and "speculative_method" not in options:
-        options["speculative_method"] = "draft_model"
-    return options
 
 
 @dataclass(frozen=True)
@@ -358,6 +334,7 @@ PLAIN_PATH: dict[str, Any] = {
     "programmatic_launch": False,
     "cuda_graphs": False,
     "cuda_graph_logits": False,
+    "cuda_graph_prefill": False,
     "overlap_decode": False,
     "chunked_prefill": False,
     "prefix_caching": False,
@@ -382,6 +359,7 @@ _ALIASES: dict[str, tuple[str, str]] = {
     "speculative_model": ("speculative", "model"),
     "speculative_load_format": ("speculative", "load_format"),
     "speculative_disable_by_batch_size": ("speculative", "disable_by_batch_size"),
+    "cuda_graph_prefill": ("graphs", "prefill"),
 }
 
 

@@ -12,8 +12,9 @@ from collections.abc import Callable, Collection
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
-from tokenmill.config import FLAT_OPTIONS, GROUPS, EngineConfig, speculative_options
+from tokenmill.config import FLAT_OPTIONS, GROUPS, EngineConfig
 from tokenmill.config_help import CHOICES, OPTION_HELP
+from tokenmill.config_speculative import speculative_options
 
 
 def add_engine_config_arguments(

@@ -70,6 +70,8 @@ OPTION_HELP: dict[str, str] = {
     "unset: on with triton attention on cuda",
     "cuda_graph_max_batch_size": "largest decode batch captured as a graph (at most max_num_seqs)",
     "cuda_graph_logits": "decode graphs of up to 16 rows also compute the logits and their argmax",
+    "cuda_graph_prefill": "one sequence's prefill of up to 511 tokens replays a graph too (buckets of "
+    "16..512 tokens), with --cuda-graphs",
     "overlap_decode": "queue the next decode step before this one's tokens are read back (needs "
     "--cuda-graphs); unset: on with CUDA graphs",
     # speculative decoding

@@ -11,6 +11,7 @@ from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import SchedulerStats
 from tokenmill.tokenizer import Tokenizer
+from tokenmill.tokenizer.token_texts import TokenTexts
 
 Prompt: TypeAlias = str | Mapping[str, Any]  # text, or {"prompt_token_ids": [...]}
 Message: TypeAlias = Mapping[str, Any]
@@ -92,10 +93,12 @@ class LLM:
 
     def _run(self, outputs: dict[str, RequestOutput], use_tqdm: bool) -> None:
         progress = _progress_bar(len(outputs)) if use_tqdm else None
+        tokenizer = self.engine.tokenizer
+        token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
                 output = outputs[delta.request_id]
-                output.apply(delta)
+                output.apply(delta, token_texts)
                 if progress is not None and output.finished:
                     progress.update(1)
         if progress is not None:

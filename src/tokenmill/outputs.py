@@ -1,7 +1,12 @@
-"""What the engine returns: per-step deltas for streaming, and whole results for the offline API."""
+"""What the engine returns: per-step deltas for streaming, and whole results for the offline API.
 
+The engine's deltas carry ``RowLogprobs`` (compact, one per position); the offline results carry vLLM's
+shape, one ``{token id: Logprob}`` dict per position, so ``output.logprobs[i][token_id].logprob`` works.
+"""
+
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 
 class RowLogprobs(NamedTuple):
@@ -52,19 +57,53 @@ class SpecDecodeCounts:
 
 
 @dataclass
+class Logprob:
+    """One token's log probability at one position, as vLLM names it."""
+
+    logprob: float
+    rank: int | None = None  # 1 for the most likely token
+    decoded_token: str | None = None
+
+
+# One position: the chosen token and the top alternatives, by token id (the chosen one first).
+PositionLogprobs: TypeAlias = dict[int, Logprob]
+TokenText: TypeAlias = Callable[[int], str]
+
+
+def position_logprobs(row: RowLogprobs, token_text: TokenText | None = None) -> PositionLogprobs:
+    """``row`` in vLLM's shape: the chosen token with its rank, then the top ones ranked 1, 2, ..."""
+
+    def entry(token_id: int, logprob: float, rank: int) -> Logprob:
+        return Logprob(logprob, rank, None if token_text is None else token_text(token_id))
+
+    found = {row.token_id: entry(row.token_id, row.logprob, row.rank)}
+    for rank, (token_id, logprob) in enumerate(row.top, start=1):
+        found.setdefault(token_id, entry(token_id, logprob, rank))
+    return found
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[RowLogprobs] | None = None
+    logprobs: list[PositionLogprobs] | None = None
     # With speculative decoding on: this sequence's verification steps, draft tokens and acceptance.
     spec_decode: SpecDecodeCounts | None = None
 
     @property
+    def sampled_logprobs(self) -> list[Logprob] | None:
+        """The sampled tokens' own entries, one per output token (a shortcut through ``logprobs``)."""
+        if self.logprobs is None:
+            return None
+        return [position[token] for position, token in zip(self.logprobs, self.token_ids, strict=False)]
+
+    @property
     def cumulative_logprob(self) -> float | None:
-        return None if self.logprobs is None else sum(entry.logprob for entry in self.logprobs)
+        sampled = self.sampled_logprobs
+        return None if sampled is None else sum(entry.logprob for entry in sampled)
 
     @property
     def finished(self) -> bool:
@@ -77,22 +116,25 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    prompt_logprobs: list[RowLogprobs | None] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # the first position has none
     num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
         return all(output.finished for output in self.outputs)
 
-    def apply(self, delta: "RequestDelta") -> None:
-        """Fold one step's delta into the accumulated output."""
+    def apply(self, delta: "RequestDelta", token_text: TokenText | None = None) -> None:
+        """Fold one step's delta into the accumulated output; ``token_text`` fills ``decoded_token``."""
         output = self.outputs[delta.index]
         output.text += delta.new_text
         output.token_ids.extend(delta.new_token_ids)
         if delta.new_logprobs is not None:
-            output.logprobs = (output.logprobs or []) + delta.new_logprobs
+            new = [position_logprobs(row, token_text) for row in delta.new_logprobs]
+            output.logprobs = (output.logprobs or []) + new
         if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_logprobs = [
+                None if row is None else position_logprobs(row, token_text) for row in delta.prompt_logprobs
+            ]
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         output.finish_reason = delta.finish_reason
         output.stop_reason = delta.stop_reason

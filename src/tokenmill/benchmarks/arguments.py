@@ -14,6 +14,8 @@ from typing import Any
 from tokenmill.benchmarks.ladder.rungs import RUNGS
 from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
 from tokenmill.benchmarks.scenarios.workloads import WORKLOADS
+from tokenmill.benchmarks.seeds.sizes import PRESETS as SEED_PRESETS
+from tokenmill.benchmarks.seeds.sizes import TABLES, add_size_arguments, table_list
 from tokenmill.benchmarks.workload import DATASETS, parse_length_range
 from tokenmill.config import EngineConfig, StructuredOutputBackendName
 from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
@@ -145,14 +147,22 @@ def add_load_memory_arguments(parser: argparse.ArgumentParser) -> None:
 DEFAULT_CONCURRENCY = "1,8,32,128"
 
 
-def concurrency_levels(text: str) -> list[int]:
+def _positive_ints(text: str, what: str) -> list[int]:
     try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got '{text}'")
-    return levels
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{what} must be >= 1, got '{text}'")
+    return values
+
+
+def concurrency_levels(text: str) -> list[int]:
+    return _positive_ints(text, "concurrency levels")
+
+
+def prompt_counts(text: str) -> list[int]:
+    return _positive_ints(text, "prompt counts")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,16 +177,52 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-rate", type=float, default=math.inf, help="requests/s (default: all at once)"
     )
-    parser.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level")
-    parser.add_argument("--input-len", type=int, default=64, help="words per synthetic prompt (~tokens)")
-    parser.add_argument("--output-len", type=int, default=64, help="max_tokens of each request")
+    parser.add_argument(
+        "--num-prompts",
+        type=prompt_counts,
+        default=[64],
+        help="requests per concurrency level: one count, or one per level (comma-separated)",
+    )
+    parser.add_argument(
+        "--input-len",
+        type=parse_length_range,
+        default=(64, 64),
+        metavar="N|MIN-MAX",
+        help="words per synthetic prompt (~tokens), or a range drawn uniformly per request",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=parse_length_range,
+        default=(64, 64),
+        metavar="N|MIN-MAX",
+        help="max_tokens of each request, or a range drawn uniformly per request",
+    )
     parser.add_argument("--dataset", type=Path, default=None, help="JSON lines with a 'prompt' each")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="short requests sent before measuring")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="client processes per level (default: one per 16 streams, at most half the cores)",
+    )
     parser.add_argument("--report-dir", type=Path, default=None, help="write serve.json / .md / .png here")
+    parser.add_argument(
+        "--offline",
+        metavar="MODEL",
+        default=None,
+        help="run the same requests in this process through the engine (its defaults) instead of a server",
+    )
+    parser.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="LABEL=SERVE_JSON",
+        help="set this run beside another run's serve.json, level by level (repeatable)",
+    )
 
 
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
@@ -305,6 +351,34 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--report-dir", type=Path, default=None, help="also write speculative.md/.json here")
 
 
+def add_seeds_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.set_defaults(dtype="float32")  # the seed's GPT-2 ran in float32
+    for action in parser._actions:
+        if action.dest == "model":
+            action.help = "a preset (dummy weights, default gpt2) or a model folder (its real weights)"
+        elif action.dest == "load_format":
+            action.help = "default: auto (dummy for a preset name)"
+        elif action.dest == "dtype":
+            action.help = "default: float32, as the seed"
+    group = parser.add_argument_group("seeds")
+    group.add_argument(
+        "--tables",
+        type=table_list,
+        default=TABLES,
+        help=f"comma-separated, of {', '.join(TABLES)} (default: all)",
+    )
+    group.add_argument(
+        "--preset",
+        choices=("auto", *SEED_PRESETS),
+        default="auto",
+        help="sizes: auto = gpu on CUDA, else cpu",
+    )
+    group.add_argument("--quick", action="store_true", help="the cpu preset's small sizes, on any device")
+    _report_dir_argument(group, "seeds-<model>-<device>")
+    add_size_arguments(parser)
+
+
 BENCHMARK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "ladder": add_ladder_arguments,
     "latency": add_latency_arguments,
@@ -315,4 +389,5 @@ BENCHMARK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "scenarios": add_scenarios_arguments,
     "structured": add_structured_arguments,
     "speculative": add_speculative_arguments,
+    "seeds": add_seeds_arguments,
 }

@@ -37,6 +37,7 @@ from tokenmill.runner.cuda_graphs import cuda_graph_sizes
 from tokenmill.runner.kv_cache import KVCache, create_kv_cache
 from tokenmill.runner.memory_profile import profile_forward
 from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.prefill_graphs import prefill_graph_sizes
 from tokenmill.runner.sampler import Sampler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.output import SchedulerStats
@@ -132,6 +133,7 @@ class LLMEngine:
             kv_cache,
             self.max_model_len,
             graph_sizes=cuda_graph_sizes(self.config, device),
+            prefill_graph_sizes=prefill_graph_sizes(self.config, device, self.max_model_len),
             logits_in_graph=graphs.logits,
             # verification steps run eagerly, so no decode step is started ahead while speculating
             overlap=bool(graphs.overlap_decode) and self.config.speculative.method is None,
@@ -177,6 +179,7 @@ class LLMEngine:
             self.runner.graph_capture,
             self.kv_cache,
             StartupTimes(self.startup_seconds, self.load_seconds, self.warm_start),
+            self.runner.prefill_capture,
         )
 
     def _max_model_len(self, config: EngineConfig) -> int:

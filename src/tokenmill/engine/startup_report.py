@@ -25,6 +25,7 @@ def describe_startup(
     graphs: CaptureReport | None,
     kv: KVCache,
     times: StartupTimes,
+    prefill_graphs: CaptureReport | None = None,
 ) -> str:
     scheduler = config.scheduler
     parts = [
@@ -33,12 +34,12 @@ def describe_startup(
         "fused kernels "
         + ("+".join(kernels.enabled) if kernels.enabled else "none")
         + (" (programmatic launch)" if kernels.pdl else ""),
-        _graphs(graphs, config.graphs.overlap_decode),
+        _graphs(graphs, config.graphs.overlap_decode) + _prefill_graphs(prefill_graphs),
         f"KV {config.kv.mode}: {kv.pool_tokens} tokens ({kv.pool_bytes() / 2**30:.2f} GiB)"
         + (", prefix caching" if config.kv.prefix_caching else ""),
         f"max_num_seqs {scheduler.max_running}, {scheduler.token_budget} tokens per step"
         + (", chunked prefill" if scheduler.chunked_prefill else ""),
-        _times(times, graphs),
+        _times(times, graphs, prefill_graphs),
     ]
     return "; ".join(parts)
 
@@ -58,10 +59,17 @@ def _graphs(graphs: CaptureReport | None, overlap: bool | None) -> str:
     )
 
 
-def _times(times: StartupTimes, graphs: CaptureReport | None) -> str:
+def _prefill_graphs(graphs: CaptureReport | None) -> str:
+    if graphs is None:
+        return ""
+    return f", prefill graphs of {graphs.sizes[0]}..{graphs.sizes[-1]} tokens"
+
+
+def _times(times: StartupTimes, graphs: CaptureReport | None, prefill: CaptureReport | None) -> str:
     detail = [f"load {times.load:.1f} s"]
     if graphs is not None:
-        detail.append(f"graphs {graphs.seconds:.1f} s")
+        seconds = graphs.seconds + (prefill.seconds if prefill is not None else 0.0)
+        detail.append(f"graphs {seconds:.1f} s")
     if times.warm_start is not None:
         detail.append(times.warm_start.describe())
     return f"started in {times.total:.1f} s ({', '.join(detail)})"

@@ -90,10 +90,11 @@ class CaptureReport:
     sizes: tuple[int, ...]
     seconds: float
     pool_bytes: int  # device memory the graphs keep (their pool, outputs included)
+    what: str = "decode batch sizes"
 
     def describe(self) -> str:
         return (
-            f"CUDA graphs: captured {len(self.sizes)} decode batch sizes {list(self.sizes)} in "
+            f"CUDA graphs: captured {len(self.sizes)} {self.what} {list(self.sizes)} in "
             f"{self.seconds:.2f} s; they hold {self.pool_bytes / 2**20:.1f} MiB"
         )
 

@@ -18,6 +18,7 @@ from tokenmill.models import CausalLM
 from tokenmill.outputs import RowLogprobs
 from tokenmill.runner.cuda_graphs import CaptureReport, DecodeGraphRunner
 from tokenmill.runner.kv_cache import KVCache
+from tokenmill.runner.prefill_graphs import PrefillGraphRunner
 from tokenmill.runner.sampler import (
     Sampler,
     SamplerOutput,
@@ -77,11 +78,13 @@ class ModelRunner:
         logits_in_graph: bool = False,
         overlap: bool = False,
         structured: StructuredOutputs | None = None,
+        prefill_graph_sizes: Sequence[int] = (),
     ) -> None:
         """``graph_sizes``: the decode batch sizes to capture in CUDA graphs (none: decode eagerly);
         ``logits_in_graph``: those graphs also compute the logits and their argmax (up to 16 rows);
         ``overlap``: a decode step's successor may be started before the step is read; ``structured``:
-        the token masks of sequences with a grammar (needed once one is added)."""
+        the token masks of sequences with a grammar (needed once one is added); ``prefill_graph_sizes``:
+        the token buckets of one-sequence prefill graphs (none: prefill eagerly)."""
         self.model = model
         self.backend = backend
         self.sampler = sampler
@@ -107,6 +110,15 @@ class ModelRunner:
             )
             self.graph_capture = self.decode_graphs.capture()
             logger.info(self.graph_capture.describe())
+        self.prefill_graphs: PrefillGraphRunner | None = None
+        self.prefill_capture: CaptureReport | None = None
+        if prefill_graph_sizes and kv.layers is not None:
+            self.prefill_graphs = PrefillGraphRunner(
+                model, backend, kv.layers, kv.manager, prefill_graph_sizes, max_model_len
+            )
+            if self.device.type == "cuda":
+                self.prefill_capture = self.prefill_graphs.capture()
+                logger.info(self.prefill_capture.describe())
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> PendingStep:
@@ -116,16 +128,25 @@ class ModelRunner:
             return PendingStep(chunks, self._sample(chunks, logits, argmax), StepResult())
         if graphs is not None:
             graphs.drop_started_step()
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(chunks):
+            return self._prefill_from_graph(chunks[0])
         hidden, sample_rows = self._forward(chunks)
         sampled_chunks = [chunk for chunk in chunks if chunk.samples_next_token]
         result = StepResult(prompt_logprobs=self._prompt_logprobs(chunks, hidden))
         if not sampled_chunks:
             return PendingStep(sampled_chunks, None, result)
         logits = self.model.compute_logits(hidden[sample_rows])
-        if any(chunk.num_draft_tokens for chunk in sampled_chunks):  # speculative: verify, eagerly
-            result.sampled = verify_step(sampled_chunks, logits, self.vocab_size, self.structured)
-            return PendingStep(sampled_chunks, None, result)
-        return PendingStep(sampled_chunks, self._sample(sampled_chunks, logits), result)
+        return self._sampled_step(sampled_chunks, logits, result)
+
+    def _sampled_step(
+        self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor, result: StepResult
+    ) -> PendingStep:
+        """Sample each chunk's next token; where a chunk has draft tokens, verify them instead (all the
+        step's chunks then go through the rejection sampler: one read of the results)."""
+        if any(chunk.num_draft_tokens for chunk in chunks):
+            result.sampled = verify_step(chunks, logits, self.vocab_size, self.structured)
+            return PendingStep(chunks, None, result)
+        return PendingStep(chunks, self._sample(chunks, logits), result)
 
     @torch.inference_mode()
     def logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -143,6 +164,14 @@ class ModelRunner:
         with forward_context(ForwardContext(metadata, self.backend, self.kv.layers)):
             hidden = self.model(dev["input_ids"], dev["positions"])
         return hidden, dev["sample_rows"]
+
+    def _prefill_from_graph(self, chunk: ScheduledChunk) -> PendingStep:
+        assert self.prefill_graphs is not None
+        hidden = self.prefill_graphs.run(chunk)
+        if not chunk.samples_next_token:
+            return PendingStep([], None, StepResult())
+        logits = self.model.compute_logits(hidden[-chunk.num_sampled_rows :])  # with drafts: 1 + k rows
+        return self._sampled_step([chunk], logits, StepResult())
 
     def can_start_next_step(self, step: PendingStep) -> bool:
         """Whether the decode step after ``step`` can be enqueued before ``step`` is read: ``step`` ran

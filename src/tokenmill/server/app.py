@@ -68,12 +68,21 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
     if body.messages is not None:
-        text = render_chat(ctx, body.messages, body.add_generation_prompt)
+        continuing = {"continue_final_message": True} if body.continue_final_message else {}
+        adds_prompt = body.add_generation_prompt and not body.continue_final_message
+        text = render_chat(ctx, body.messages, adds_prompt, None, **continuing)
     else:
         assert body.prompt is not None
         text = body.prompt
     tokens = ctx.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.engine.max_model_len}
+    answer: dict[str, Any] = {
+        "tokens": tokens,
+        "count": len(tokens),
+        "max_model_len": ctx.engine.max_model_len,
+    }
+    if body.return_token_strs:
+        answer["token_strs"] = ctx.tokenizer.hf_tokenizer.convert_ids_to_tokens(tokens)
+    return answer
 
 
 @_protected.post("/detokenize")

@@ -15,7 +15,9 @@ from tokenmill.server.logprobs import (
     completion_logprobs,
     echo_logprobs,
     join_completion_logprobs,
+    prompt_logprobs_out,
 )
+from tokenmill.server.prompts import engine_prompt
 from tokenmill.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -23,6 +25,7 @@ from tokenmill.server.protocol import (
     CompletionResponse,
     GenerateRequest,
     PromptInput,
+    PromptLogprobsOut,
     UsageInfo,
 )
 from tokenmill.server.responses import (
@@ -62,7 +65,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = normalise_prompts(body.prompt)
     params = completion_params(body, len(prompts))
     params = await constrained(ctx.engine, params, structured_outputs_of(body))
-    generation = await ctx.start(prompts, params, request, body.priority)
+    engine_prompts = [
+        engine_prompt(ctx, prompt, None if body.add_special_tokens else False, body.truncate_prompt_tokens)
+        for prompt in prompts
+    ]
+    generation = await ctx.start(engine_prompts, params, request, body.priority)
     view = _CompletionView(ctx, body, params, prompts, generation)
     if body.stream:
         return await streaming_response(generation, view.chunks())
@@ -85,15 +92,17 @@ class _CompletionView:
         self.params = params
         self.prompts = prompts
         self.generation = generation
-        self.id = ctx.new_id("cmpl")
+        self.id = ctx.new_id("cmpl", body.request_id)
         self.token_texts = TokenTexts(ctx.tokenizer) if ctx.engine.tokenizer is not None else None
 
     def echo_text(self, prompt_index: int) -> str:
+        """The prompt as sent, or for token ids (or a cut prompt) their text with special tokens shown, as
+        the echoed logprobs name them, so that ``text_offset`` points into this text."""
         prompt = self.prompts[prompt_index]
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and self.body.truncate_prompt_tokens is None:
             return prompt
-        skip = self.params.skip_special_tokens
-        return self.ctx.tokenizer.decode(prompt, skip_special_tokens=skip)
+        ids = self.generation.prompt_token_ids[prompt_index]
+        return self.ctx.tokenizer.decode(ids, skip_special_tokens=False)
 
     def response(self, results: list[ChoiceResult]) -> CompletionResponse:
         choices = [self._choice(index, result) for index, result in enumerate(results)]
@@ -110,14 +119,27 @@ class _CompletionView:
         text = self.echo_text(prompt_index) + result.text if self.body.echo else result.text
         logprobs = None
         if self.body.logprobs is not None:
-            logprobs = self._logprobs(prompt_index, result.prompt_logprobs, result, 0)
+            echoed = result.prompt_logprobs if self.body.echo else None
+            logprobs = self._logprobs(prompt_index, echoed, result, 0)
         return CompletionChoice(
             index=index,
             text=text,
             logprobs=logprobs,
             finish_reason=result.finish_reason,
             stop_reason=result.stop_reason,
+            prompt_logprobs=self._prompt_logprobs(result),
+            prompt_token_ids=self._prompt_ids(prompt_index),
+            token_ids=result.token_ids if self.body.return_token_ids else None,
         )
+
+    def _prompt_logprobs(self, result: ChoiceResult) -> PromptLogprobsOut | None:
+        if self.body.prompt_logprobs is None or result.prompt_logprobs is None:
+            return None
+        assert self.token_texts is not None
+        return prompt_logprobs_out(result.prompt_logprobs, self.token_texts, self.body.prompt_logprobs)
+
+    def _prompt_ids(self, prompt_index: int) -> list[int] | None:
+        return self.generation.prompt_token_ids[prompt_index] if self.body.return_token_ids else None
 
     def _logprobs(
         self,
@@ -131,29 +153,34 @@ class _CompletionView:
         if prompt_entries is None:
             return generated
         prompt_ids = self.generation.prompt_token_ids[prompt_index]
-        echoed = echo_logprobs(prompt_ids, prompt_entries, self.token_texts)
+        echoed = echo_logprobs(prompt_ids, prompt_entries, self.token_texts, self.body.logprobs or 0)
         return join_completion_logprobs(echoed, generated)
 
     async def chunks(self) -> AsyncIterator[str]:
         num_tokens = [0] * self.generation.num_choices
         text_offsets = [0] * self.generation.num_choices
-        echo_pending = set(range(self.generation.num_choices)) if self.body.echo else set()
+        started: set[int] = set()  # choices whose first chunk went out
         async for index, delta in self.generation.deltas():
             step = ChoiceResult()
             step.apply(delta)
             num_tokens[index] += len(delta.new_token_ids)
             text, prompt_entries = step.text, None
-            if index in echo_pending:
-                echo_pending.discard(index)
-                text = self.echo_text(index // self.generation.n) + text
+            prompt_index = index // self.generation.n
+            first = index not in started
+            started.add(index)
+            if first and self.body.echo:
+                text = self.echo_text(prompt_index) + text
                 prompt_entries = step.prompt_logprobs
             logprobs = None
             if self.body.logprobs is not None:
-                prompt_index = index // self.generation.n
                 logprobs = self._logprobs(prompt_index, prompt_entries, step, text_offsets[index])
                 text_offsets[index] += sum(len(token) for token in logprobs.tokens)
-            if text or delta.finished or (logprobs is not None and logprobs.tokens):
-                yield sse(self._chunk([self._stream_choice(index, text, logprobs, step)]))
+            if text or delta.finished or (logprobs is not None and logprobs.tokens) or self._ids_due(step):
+                choice = self._stream_choice(index, text, logprobs, step)
+                if first:
+                    choice.prompt_token_ids = self._prompt_ids(prompt_index)
+                usage = self._choice_usage(prompt_index, num_tokens[index])
+                yield sse(self._chunk([choice], usage))
         if self.body.include_usage:
             yield sse(self._chunk([], usage_info(self.generation, sum(num_tokens))))
         yield SSE_DONE
@@ -167,6 +194,22 @@ class _CompletionView:
             logprobs=logprobs,
             finish_reason=step.finish_reason,
             stop_reason=step.stop_reason,
+            token_ids=step.token_ids if self.body.return_token_ids else None,
+        )
+
+    def _ids_due(self, step: ChoiceResult) -> bool:
+        """New token ids go out with ``return_token_ids`` even where they bring no text yet."""
+        return self.body.return_token_ids and bool(step.token_ids)
+
+    def _choice_usage(self, prompt_index: int, completion_tokens: int) -> UsageInfo | None:
+        """With ``continuous_usage_stats``: the choice's prompt and its tokens so far, in every chunk."""
+        if not (self.body.include_usage and self.body.continuous_usage):
+            return None
+        prompt_tokens = len(self.generation.prompt_token_ids[prompt_index])
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
         )
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
@@ -179,12 +222,19 @@ class _CompletionView:
         )
 
 
+# vLLM's extras that /v1/completions answers and /generate's plain answer has no place for.
+_NOT_ON_GENERATE = ("prompt_logprobs", "return_token_ids", "truncate_prompt_tokens", "request_id")
+
+
 @router.post("/generate", response_model=None)
 async def generate(body: GenerateRequest, request: Request) -> Response:
     """For curl users: ``{"prompt": ..., "max_tokens": ...}`` in, ``{"text": ...}`` out."""
     ctx = context(request)
     ctx.check_model(body.model)
     check_sequence_count(body.n, 1)
+    for name in _NOT_ON_GENERATE:
+        if name in body.model_fields_set:
+            raise bad_request(f"'{name}' is not supported on /generate; use /v1/completions", name)
     params = make_params(body, max_tokens=body.max_tokens)
     params = await constrained(ctx.engine, params, structured_outputs_of(body))
     generation = await ctx.start([body.prompt], params, request, body.priority)

@@ -28,6 +28,7 @@ from tokenmill.errors import TokenmillError
 from tokenmill.outputs import RequestDelta
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import EngineStats, ServerMetrics
+from tokenmill.server.request_timeline import RequestTimeline, StepTokenCounter
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,14 @@ class _Tracked:
     """An engine request whose deltas go to ``stream``."""
 
     stream: RequestStream
-    arrival_time: float
+    timeline: RequestTimeline
     num_sequences: int
     num_finished: int = 0
     last_token_time: dict[int, float] = field(default_factory=dict)  # per sequence index
+
+    @property
+    def arrival_time(self) -> float:
+        return self.timeline.arrival_time
 
 
 @dataclass(frozen=True)
@@ -253,7 +258,10 @@ class EngineLoop:
             deliveries.add(command.stream, Failed(HTTPStatus.INTERNAL_SERVER_ERROR, f"adding failed: {exc}"))
             return
         for spec, prompt_ids in zip(command.specs, added, strict=True):
-            self._tracked[spec.request_id] = _Tracked(command.stream, command.arrival_time, spec.params.n)
+            timeline = RequestTimeline(
+                command.arrival_time, list(self.engine.requests.get(spec.request_id, []))
+            )
+            self._tracked[spec.request_id] = _Tracked(command.stream, timeline, spec.params.n)
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(prompt_ids))
         deliveries.add(command.stream, Accepted(added))
@@ -263,12 +271,18 @@ class EngineLoop:
             self.engine.abort(spec.request_id)
 
     def _step(self) -> None:
+        step_start = time.monotonic()
+        counter = StepTokenCounter(seq for tracked in self._tracked.values() for seq in tracked.timeline.seqs)
         try:
             deltas = self.engine.step()
         except Exception as exc:
             logger.exception("an engine step failed; failing the requests in flight")
             self._fail_in_flight(f"the engine failed while generating: {exc!r}")
             return
+        if self.metrics is not None:
+            self.metrics.iteration_tokens.observe(counter.count())
+            for tracked in self._tracked.values():
+                tracked.timeline.observe_step(step_start)
         deliveries = _Deliveries()
         now = time.monotonic()
         for delta in deltas:
@@ -287,10 +301,11 @@ class EngineLoop:
             if tracked.num_finished == tracked.num_sequences:
                 del self._tracked[delta.request_id]
                 if self.metrics is not None:
-                    self.metrics.request_finished(str(delta.finish_reason), now - tracked.arrival_time)
+                    self.metrics.request_finished(tracked.timeline.finished(str(delta.finish_reason), now))
 
     def _observe(self, tracked: _Tracked, delta: RequestDelta, now: float) -> None:
         assert self.metrics is not None
+        tracked.timeline.observe_tokens(delta.index, len(delta.new_token_ids), now)
         if delta.new_token_ids:
             self.metrics.generation_tokens.inc(len(delta.new_token_ids))
             previous = tracked.last_token_time.get(delta.index)

@@ -8,10 +8,11 @@ sequences still running, so their KV blocks are freed at once.
 """
 
 import asyncio
+import dataclasses
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
@@ -48,6 +49,19 @@ class ServerSettings:
     api_key: str | None = None
     max_waiting: int | None = None  # sequences allowed to wait for a slot; None: no bound
     request_timeout_s: float | None = None  # None: no limit
+    # Tokens per streamed chunk after the first; None: adaptive, one until 32 sequences run, then one
+    # more per 32 (at 256 streams a chunk per token would cost the event loop more than a core).
+    stream_interval: int | None = None
+
+
+STREAMS_PER_EXTRA_TOKEN = 32
+
+
+def chunk_tokens(stream_interval: int | None, num_running: int) -> int:
+    """Tokens a streamed chunk waits for, after the first one."""
+    if stream_interval is not None:
+        return stream_interval
+    return max(1, num_running // STREAMS_PER_EXTRA_TOKEN)
 
 
 @dataclass
@@ -71,13 +85,22 @@ class ChoiceResult:
         self.stop_reason = delta.stop_reason
 
 
+def cache_labels(engine: LLMEngine) -> dict[str, str]:
+    """``cache_config_info``'s labels: the KV cache settings as resolved, and the pool's size in tokens."""
+    labels = {name: str(value) for name, value in dataclasses.asdict(engine.config.kv).items()}
+    labels["capacity_tokens"] = str(engine.kv_cache.manager.capacity_tokens)
+    return labels
+
+
 class ServerContext:
     """What the routes share: the engine loop, its settings and metrics, and the tokenizer."""
 
     def __init__(self, engine: LLMEngine, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.metrics = ServerMetrics(lambda: self.engine_loop.stats())
+        self.metrics = ServerMetrics(
+            lambda: self.engine_loop.stats(), engine.max_model_len, cache_labels(engine)
+        )
         self.engine_loop = EngineLoop(engine, self.metrics)
         self.created = int(time.time())
         self._ids = itertools.count()
@@ -96,8 +119,9 @@ class ServerContext:
                 "model",
             )
 
-    def new_id(self, prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    def new_id(self, prefix: str, request_id: str | None = None) -> str:
+        """A response id; from the client's ``request_id`` where it sent one, as vLLM builds it."""
+        return f"{prefix}-{request_id or uuid.uuid4().hex[:24]}"
 
     async def start(
         self,
@@ -110,7 +134,9 @@ class ServerContext:
         self._check_capacity(len(prompts) * params.n)
         base = f"req-{next(self._ids)}"
         specs = [PromptSpec(f"{base}-{i}", prompt, params, priority) for i, prompt in enumerate(prompts)]
-        generation = Generation(self.engine_loop, specs, params.n, self._deadline(), client)
+        generation = Generation(
+            self.engine_loop, specs, params.n, self._deadline(), client, self._chunk_tokens
+        )
         try:
             self.engine_loop.submit(specs, generation.stream)
         except EngineLoopStoppedError as exc:
@@ -139,6 +165,9 @@ class ServerContext:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
+    def _chunk_tokens(self) -> int:
+        return chunk_tokens(self.settings.stream_interval, self.engine_loop.stats().num_running)
+
     def _deadline(self) -> float | None:
         timeout = self.settings.request_timeout_s
         return None if timeout is None else asyncio.get_running_loop().time() + timeout
@@ -152,8 +181,10 @@ class Generation:
         n: int,
         deadline: float | None,
         client: Request | None,
+        chunk_tokens: Callable[[], int] = lambda: 1,
     ) -> None:
         self.engine_loop = engine_loop
+        self.chunk_tokens = chunk_tokens
         self.n = n
         self.deadline = deadline
         self.client = client  # watched for a disconnect while set
@@ -164,6 +195,7 @@ class Generation:
         self._cached_tokens = [0] * len(specs)  # per prompt, the most any of its n sequences reported
         self._num_finished = 0
         self._buffered: list[tuple[int, RequestDelta]] = []
+        self._held: StreamItem | None = None  # taken from the queue while merging, not yet answered
         self._closed = False
         self._next_poll = 0.0  # event loop time of the next client / engine liveness check
 
@@ -196,11 +228,43 @@ class Generation:
         self.client = None
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
-        """``(choice index, delta)`` pairs until every sequence has finished."""
+        """``(choice index, delta)`` pairs until every sequence has finished.
+
+        Deltas that piled up while the handler was busy come merged, one per choice: when the engine
+        outpaces the HTTP side (many streams, a fast GPU), each chunk then carries several tokens instead
+        of the event loop falling further behind one token per chunk. After its first token, a single
+        choice also waits for ``chunk_tokens()`` tokens (or its end) before it is sent."""
         while self._buffered:
             yield self._buffered.pop(0)
         while not self.finished:
-            yield await self._next_delta()
+            first = await self._next_delta()
+            merged = self._merged_with_ready(first)
+            if self.num_choices == 1 and merged[0][1].num_output_tokens > 1:
+                merged = await self._filled(merged[0], self.chunk_tokens())
+            for item in merged:
+                yield item
+
+    async def _filled(self, merged: tuple[int, RequestDelta], tokens: int) -> list[tuple[int, RequestDelta]]:
+        index, delta = merged
+        while len(delta.new_token_ids) < tokens and not self.finished and self._held is None:
+            item = await self._next_item()
+            if not isinstance(item, RequestDelta):
+                self._held = item  # a failure: answered after the tokens gathered so far
+                break
+            delta = join_deltas(delta, self._accept(item)[1])
+        return [(index, delta)]
+
+    def _merged_with_ready(self, first: tuple[int, RequestDelta]) -> list[tuple[int, RequestDelta]]:
+        merged = {first[0]: first[1]}
+        queue = self.stream.queue
+        while self._held is None and not self.finished and not queue.empty():
+            item = queue.get_nowait()
+            if not isinstance(item, RequestDelta):
+                self._held = item  # a failure: answered after the tokens before it
+                break
+            index, delta = self._accept(item)
+            merged[index] = join_deltas(merged[index], delta) if index in merged else delta
+        return list(merged.items())
 
     async def collect(self) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in range(self.num_choices)]
@@ -218,6 +282,9 @@ class Generation:
         item = await self._next_item()
         if not isinstance(item, RequestDelta):
             raise _unexpected(item)
+        return self._accept(item)
+
+    def _accept(self, item: RequestDelta) -> tuple[int, RequestDelta]:
         if item.finished:
             self._num_finished += 1
         prompt_index = self.prompt_index[item.request_id]
@@ -225,6 +292,9 @@ class Generation:
         return prompt_index * self.n + item.index, item
 
     async def _next_item(self) -> StreamItem:
+        if self._held is not None:
+            held, self._held = self._held, None
+            return held
         queue = self.stream.queue
         while True:
             # Checked on a clock, not only when the queue is idle: a busy engine never lets it idle.
@@ -252,6 +322,22 @@ class Generation:
             raise ClientDisconnectedError()
         if not self.engine_loop.is_healthy and self.stream.queue.empty():
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the engine loop is not running")
+
+
+def join_deltas(earlier: RequestDelta, later: RequestDelta) -> RequestDelta:
+    """One delta for two consecutive ones of the same sequence."""
+    logprobs = None
+    if earlier.new_logprobs is not None or later.new_logprobs is not None:
+        logprobs = [*(earlier.new_logprobs or []), *(later.new_logprobs or [])]
+    prompt_logprobs = earlier.prompt_logprobs
+    return dataclasses.replace(
+        later,
+        new_token_ids=earlier.new_token_ids + later.new_token_ids,
+        new_text=earlier.new_text + later.new_text,
+        new_logprobs=logprobs,
+        num_cached_tokens=max(earlier.num_cached_tokens, later.num_cached_tokens),
+        prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else later.prompt_logprobs,
+    )
 
 
 def _unexpected(item: StreamItem) -> APIError:

@@ -1,27 +1,20 @@
-"""Logprobs in OpenAI's two shapes: completions' parallel lists and chat's list of token objects."""
+"""Logprobs in OpenAI's two shapes (completions' parallel lists, chat's list of token objects) and vLLM's
+``prompt_logprobs`` (one ``{token id: {logprob, rank, decoded_token}}`` per prompt position)."""
 
 from collections.abc import Sequence
-from functools import lru_cache
 
-from tokenmill.outputs import RowLogprobs
-from tokenmill.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
-from tokenmill.tokenizer import Tokenizer
+from tokenmill.outputs import RowLogprobs, position_logprobs
+from tokenmill.server.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    LogprobOut,
+    PromptLogprobsOut,
+    TokenLogprob,
+    TopLogprob,
+)
+from tokenmill.tokenizer.token_texts import TokenTexts
 
-_TOKEN_TEXT_CACHE_SIZE = 65536
-
-
-class TokenTexts:
-    """The text of single tokens (special tokens included), cached: logprobs name every token."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._decode = lru_cache(maxsize=_TOKEN_TEXT_CACHE_SIZE)(self._decode_one)
-        self.tokenizer = tokenizer
-
-    def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def __call__(self, token_id: int) -> str:
-        return self._decode(token_id)
+__all__ = ["TokenTexts", "chat_logprobs", "completion_logprobs", "echo_logprobs", "prompt_logprobs_out"]
 
 
 def completion_logprobs(
@@ -40,16 +33,21 @@ def completion_logprobs(
 
 
 def echo_logprobs(
-    prompt_ids: Sequence[int], prompt_entries: Sequence[RowLogprobs | None], token_texts: TokenTexts
+    prompt_ids: Sequence[int],
+    prompt_entries: Sequence[RowLogprobs | None],
+    token_texts: TokenTexts,
+    num_top: int,
 ) -> CompletionLogprobs:
-    """The prompt's part of an echoed completion's logprobs: the first token has none."""
+    """The prompt's part of an echoed completion's logprobs (``num_top`` alternatives each): the first
+    token has none."""
     out = CompletionLogprobs()
     offset = 0
     for token_id, entry in zip(prompt_ids, prompt_entries, strict=False):
         text = token_texts(token_id)
         out.tokens.append(text)
         out.token_logprobs.append(None if entry is None else entry.logprob)
-        out.top_logprobs.append(None if entry is None else _top_dict(entry, token_texts))
+        top = None if entry is None else _top_dict(entry._replace(top=entry.top[:num_top]), token_texts)
+        out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(text)
     return out
@@ -87,3 +85,17 @@ def _token_logprob(entry: RowLogprobs, token_texts: TokenTexts, num_top: int) ->
 
 def _utf8(text: str) -> list[int]:
     return list(text.encode("utf-8"))
+
+
+def prompt_logprobs_out(
+    entries: Sequence[RowLogprobs | None], token_texts: TokenTexts, num_top: int
+) -> PromptLogprobsOut:
+    """vLLM's ``prompt_logprobs``: per prompt position the prompt token and its ``num_top`` best rivals."""
+    out: PromptLogprobsOut = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        found = position_logprobs(entry._replace(top=entry.top[:num_top]), token_texts)
+        out.append({str(token_id): LogprobOut(**vars(logprob)) for token_id, logprob in found.items()})
+    return out

@@ -1,8 +1,11 @@
 """Prometheus metrics of the server, in one registry per app (so several apps can live in one process).
 
-Token counters and latency histograms are fed by the engine thread as deltas are routed; the engine's
-state (running / waiting requests, KV cache usage, preemptions, prefix-cache queries and hits in prompt
-tokens) is read when ``/metrics`` is scraped. Counters are exposed with the ``_total`` suffix.
+The families are vLLM's, named ``tokenmill:`` where vLLM says ``vllm:`` (same suffixes, types and
+buckets), so a vLLM dashboard ports by renaming the prefix; there is no ``model_name`` label (one model
+per server). Token counters and histograms are fed by the engine thread as steps run and deltas are
+routed (per-request ones when a request finishes); the engine's state (running / waiting requests, KV
+cache usage, preemptions, prefix-cache queries and hits in prompt tokens) is read when ``/metrics`` is
+scraped. Counters are exposed with the ``_total`` suffix.
 """
 
 from collections.abc import Callable, Iterator
@@ -11,6 +14,7 @@ from dataclasses import dataclass, field
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -19,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tokenmill.outputs import SpecDecodeCounts
+from tokenmill.server.request_timeline import FinishedRequest
 
 # The *_created series only repeat the process start time; vLLM drops them too.
 disable_created_metrics()
@@ -27,6 +32,21 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def one_two_five_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit``: vLLM's buckets for token counts."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(buckets)
+            buckets.append(step * scale)
+        scale *= 10
 
 
 @dataclass(frozen=True)
@@ -97,7 +117,12 @@ def _spec_decode_metrics(spec: SpecDecodeCounts) -> Iterator[Metric]:
 
 
 class ServerMetrics:
-    def __init__(self, read_state: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        read_state: Callable[[], EngineStats],
+        max_model_len: int = 2048,
+        cache_config: dict[str, str] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.prompt_tokens = Counter(
             "tokenmill:prompt_tokens", "Prompt tokens of accepted requests.", registry=self.registry
@@ -129,11 +154,69 @@ class ServerMetrics:
             buckets=_E2E_BUCKETS,
             registry=self.registry,
         )
+        self.iteration_tokens = Histogram(
+            "tokenmill:iteration_tokens_total",
+            "Tokens computed per engine step.",
+            buckets=_ITERATION_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self._add_request_histograms(one_two_five_buckets(max_model_len))
+        self._add_cache_config_info(cache_config or {})
         self.registry.register(_EngineStateCollector(read_state))
 
-    def request_finished(self, finish_reason: str, e2e_latency_s: float) -> None:
-        self.request_success.labels(finished_reason=finish_reason).inc()
-        self.e2e_request_latency.observe(e2e_latency_s)
+    def _add_request_histograms(self, token_buckets: tuple[int, ...]) -> None:
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"tokenmill:{name}", documentation, buckets=buckets, registry=self.registry)
+
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request (over its n sequences).", token_buckets
+        )
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Generated tokens of each request's longest sequence.",
+            token_buckets,
+        )
+        self.request_params_n = histogram("request_params_n", "The n of each request.", _N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens of each request (resolved).", token_buckets
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "From arrival to first being scheduled.", _PHASE_BUCKETS
+        )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "From first being scheduled to the first token.", _PHASE_BUCKETS
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "From the first token to the last.", _PHASE_BUCKETS
+        )
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds", "From first being scheduled to the last token.", _PHASE_BUCKETS
+        )
+
+    def _add_cache_config_info(self, cache_config: dict[str, str]) -> None:
+        info = Gauge(
+            "tokenmill:cache_config_info",
+            "The KV cache's configuration, in the labels.",
+            sorted(cache_config),
+            registry=self.registry,
+        )
+        (info.labels(**cache_config) if cache_config else info).set(1)
+
+    def request_finished(self, request: FinishedRequest) -> None:
+        self.request_success.labels(finished_reason=request.finish_reason).inc()
+        self.e2e_request_latency.observe(request.e2e_s)
+        self.request_prompt_tokens.observe(request.num_prompt_tokens)
+        self.request_generation_tokens.observe(request.num_generation_tokens)
+        self.request_max_num_generation_tokens.observe(request.max_num_generation_tokens)
+        self.request_params_n.observe(request.n)
+        self.request_params_max_tokens.observe(request.max_tokens)
+        self.request_queue_time.observe(request.queue_s)
+        self.request_prefill_time.observe(request.prefill_s)
+        self.request_decode_time.observe(request.decode_s)
+        self.request_inference_time.observe(request.inference_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,24 +3,36 @@
 Requests take the parameters vLLM honours (OpenAI's plus ``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``, ``priority``, and structured
 outputs: ``response_format``, ``structured_outputs``, the older ``guided_*`` fields, and on chat ``tools``
-with ``tool_choice``); unknown fields are ignored, so clients written for other servers work. Types are
-checked here; ranges are checked by ``SamplingParams``, whose errors name the parameter.
+with ``tool_choice``) and vLLM's extras (``prompt_logprobs``, ``return_token_ids``,
+``truncate_prompt_tokens``, ``add_special_tokens``, chat's ``echo`` and ``continue_final_message``, ...).
+A top-level body keeps the fields it does not declare in ``model_extra``: ``request_checks`` refuses
+those OpenAI or vLLM define but tokenmill does not implement, and ignores the rest. Types are checked
+here; ranges are checked by ``SamplingParams``, whose errors name the parameter.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 # Text, texts, token ids, or lists of token ids.
 PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(strict=True, ge=INT64_MIN, le=INT64_MAX)]
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class _Body(BaseModel):
+    """A whole request body: undeclared fields are kept (``model_extra``) to be refused or ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+
 class StreamOptions(_Request):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # usage in every chunk, counting the tokens so far
 
 
 class JsonSchemaFormat(_Request):
@@ -48,7 +60,7 @@ class StructuredOutputsRequest(_Request):
     disable_any_whitespace: StrictBool = False
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(_Body):
     """Fields shared by completions and chat completions. None means the default."""
 
     model: StrictStr | None = None
@@ -57,7 +69,7 @@ class SamplingRequest(_Request):
     top_p: float | None = None
     top_k: StrictInt | None = None
     min_p: float | None = None
-    seed: StrictInt | None = None
+    seed: Int64 | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     presence_penalty: float | None = None
@@ -77,10 +89,18 @@ class SamplingRequest(_Request):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    prompt_logprobs: StrictInt | None = None
+    return_token_ids: StrictBool = False  # vLLM's: prompt_token_ids and token_ids in the response
+    truncate_prompt_tokens: StrictInt | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    request_id: StrictStr | None = None  # the response's id is built from it
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):
@@ -90,6 +110,7 @@ class CompletionRequest(SamplingRequest):
     echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
+    add_special_tokens: StrictBool = True
 
 
 class ContentPart(_Request):
@@ -133,6 +154,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    echo: StrictBool = False  # start the answer with the last message when it is the assistant's
+    add_special_tokens: StrictBool | None = None  # None: a BOS only where the template brings none
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class GenerateRequest(SamplingRequest):
@@ -148,6 +173,8 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    return_token_strs: StrictBool = False
 
 
 class DetokenizeRequest(_Request):
@@ -176,12 +203,26 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class LogprobOut(BaseModel):
+    """vLLM's per-token entry of ``prompt_logprobs``, keyed by the token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsOut = list[dict[str, LogprobOut] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -230,6 +271,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -239,6 +281,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsOut | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaFunctionCall(BaseModel):
@@ -265,6 +309,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -274,6 +319,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(BaseModel):

@@ -5,6 +5,7 @@ from typing import Any
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tokenmill.server.request_checks import check_request
 
 # Sequences (prompts × n) one request may ask for: enough for batch clients, not a way to flood the engine.
 MAX_SEQUENCES_PER_REQUEST = 256
@@ -26,7 +27,9 @@ def completion_params(body: CompletionRequest, num_prompts: int) -> SamplingPara
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of must equal n ({body.n}) or be left out, got {body.best_of}", "best_of")
     check_sequence_count(body.n, num_prompts)
-    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    echoed = body.logprobs if body.echo else None
+    wanted = [count for count in (echoed, body.prompt_logprobs) if count is not None]
+    prompt_logprobs = max(wanted) if wanted else None
     return make_params(
         body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
     )
@@ -42,7 +45,7 @@ def chat_params(body: ChatCompletionRequest) -> SamplingParams:
         )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return make_params(body, max_tokens=max_tokens, logprobs=logprobs)
+    return make_params(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
 
 
 def check_sequence_count(n: int, num_prompts: int) -> None:
@@ -56,6 +59,7 @@ def check_sequence_count(n: int, num_prompts: int) -> None:
 
 def make_params(body: SamplingRequest, **fields: Any) -> SamplingParams:
     """``SamplingParams`` from the body's shared fields plus ``fields``; a bad value is a 400 naming it."""
+    check_request(body)
     for name in _OPTIONAL_FIELDS:
         value = getattr(body, name)
         if value is not None:

@@ -1,7 +1,6 @@
 """The load generator of ``bench serve``: prompts, one streamed ``/v1/completions`` request timed chunk by
-chunk, and a concurrency level of them (optionally Poisson arrivals), summarized per level."""
+chunk, and a level's records summarized (``levels`` runs a level)."""
 
-import asyncio
 import itertools
 import json
 import math
@@ -27,7 +26,7 @@ _WORD_TEXT = (
     "get here between both life being under never day same another know while last might us great "
     "old year off come since against go came right used take three"
 )
-_WORDS = _WORD_TEXT.split()
+WORDS = _WORD_TEXT.split()
 _MS = 1e3
 
 
@@ -91,9 +90,28 @@ def _stats(seconds: Sequence[float]) -> dict[str, float]:
 # -- prompts --------------------------------------------------------------------------------------------
 
 
-def synthetic_prompts(count: int, input_len: int, seed: int) -> list[str]:
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: str
+    max_tokens: int
+
+
+def synthetic_requests(
+    count: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int
+) -> list[BenchRequest]:
+    """``count`` prompts of random words, their word counts and max_tokens drawn uniformly from the ranges."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(_WORDS) for _ in range(input_len)) for _ in range(count)]
+    requests = []
+    for _ in range(count):
+        words = rng.randint(*input_len)
+        prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+        requests.append(BenchRequest(prompt, rng.randint(*output_len)))
+    return requests
+
+
+def dataset_requests(path: Path, count: int, output_len: tuple[int, int], seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    return [BenchRequest(prompt, rng.randint(*output_len)) for prompt in dataset_prompts(path, count)]
 
 
 def dataset_prompts(path: Path, count: int) -> list[str]:
@@ -179,52 +197,34 @@ async def _sse_events(response: httpx.Response) -> Any:
 
 
 def _record(start: float, chunk_times: list[float], usage: dict[str, Any] | None, text: str) -> RequestRecord:
-    end = time.perf_counter()
+    output_tokens = int(usage["completion_tokens"]) if usage else len(chunk_times)
+    prompt_tokens = int(usage["prompt_tokens"]) if usage else None
+    return record_from_chunks(start, time.perf_counter(), chunk_times, prompt_tokens, output_tokens, text)
+
+
+def record_from_chunks(
+    start: float,
+    end: float,
+    chunk_times: list[float],
+    prompt_tokens: int | None,
+    output_tokens: int,
+    text: str = "",
+) -> RequestRecord:
+    """A finished request from the times its text chunks arrived (``perf_counter`` seconds)."""
     if not chunk_times:
         return RequestRecord(False, end - start, error="the stream held no text")
-    output_tokens = int(usage["completion_tokens"]) if usage else len(chunk_times)
     return RequestRecord(
         ok=True,
         latency_s=end - start,
         ttft_s=chunk_times[0] - start,
-        prompt_tokens=int(usage["prompt_tokens"]) if usage else None,
+        prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
         itls_s=[b - a for a, b in itertools.pairwise(chunk_times)],
         text=text,
     )
 
 
-# -- levels ---------------------------------------------------------------------------------------------
-
-
-def arrival_offsets(count: int, request_rate: float, seed: int) -> list[float]:
-    """Seconds after the start at which each request is sent: all at once, or Poisson at ``request_rate``."""
-    if math.isinf(request_rate):
-        return [0.0] * count
-    rng = random.Random(seed)
-    offsets, now = [], 0.0
-    for _ in range(count):
-        offsets.append(now)
-        now += rng.expovariate(request_rate)
-    return offsets
-
-
-async def run_level(
-    target: Target, prompts: Sequence[str], concurrency: int, request_rate: float, seed: int, timeout_s: float
-) -> LevelResult:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    semaphore = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
-
-        async def one(prompt: str, offset: float) -> RequestRecord:
-            await asyncio.sleep(offset)
-            async with semaphore:
-                return await send_request(client, target, prompt)
-
-        start = time.perf_counter()
-        offsets = arrival_offsets(len(prompts), request_rate, seed)
-        records = await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets, strict=True)))
-        return LevelResult(concurrency, time.perf_counter() - start, list(records))
+# -- the server ----------------------------------------------------------------------------------------
 
 
 def resolve_model(base_url: str, headers: dict[str, str], timeout_s: float) -> str:

@@ -20,55 +20,109 @@ line and plot are ``report``; the options and the run are ``command``.
 
 import argparse
 import asyncio
+import json
 import math
+import multiprocessing
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from tokenmill.benchmarks.arguments import add_serve_arguments as add_arguments
-from tokenmill.benchmarks.report import client_machine, provenance
+from tokenmill.benchmarks.report import client_machine, detect_hardware, provenance
 from tokenmill.benchmarks.serve.client import (
+    BenchRequest,
     LevelResult,
     RequestRecord,
     Target,
-    dataset_prompts,
+    dataset_requests,
     resolve_model,
-    run_level,
     send_request,
-    synthetic_prompts,
+    synthetic_requests,
 )
-from tokenmill.benchmarks.serve.report import level_table, scaling_line, write_report
+from tokenmill.benchmarks.serve.levels import client_processes, run_level
+from tokenmill.benchmarks.serve.report import comparison_table, level_table, scaling_line, write_report
+
+
+class WarmUpError(RuntimeError):
+    """The server answered the warm-up request with an error, so no level is run."""
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("num_prompts", "input_len", "output_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if len(args.num_prompts) not in (1, len(args.concurrency)):
+        raise ValueError(
+            f"--num-prompts gives {len(args.num_prompts)} counts for {len(args.concurrency)} "
+            "concurrency levels: give one count, or one per level"
+        )
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+    for item in args.compare:
+        label, sep, path = item.partition("=")
+        if not (sep and label and Path(path).is_file()):
+            raise ValueError(f"--compare {item!r}: expected LABEL=PATH to an existing serve.json")
 
 
-async def run_all(target: Target, prompts: list[str], args: argparse.Namespace) -> list[LevelResult]:
+def level_requests(args: argparse.Namespace) -> list[list[BenchRequest]]:
+    """Each level's requests: the first ``count`` of one seeded list, so levels share their prompts."""
+    counts = args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 else args.num_prompts
+    total = max(counts)
+    if args.dataset is not None:
+        requests = dataset_requests(args.dataset, total, args.output_len, args.seed)
+    else:
+        requests = synthetic_requests(total, args.input_len, args.output_len, args.seed)
+    return [requests[:count] for count in counts]
+
+
+async def warm_up(target: Target, prompt: str, args: argparse.Namespace) -> None:
     async with httpx.AsyncClient(timeout=args.timeout) as client:
         for _ in range(args.warmup):
-            warm = await send_request(client, target, prompts[0], max_tokens=min(4, target.output_len))
+            warm = await send_request(client, target, prompt, max_tokens=4)
             if not warm.ok:
-                raise RuntimeError(f"the warm-up request failed: {warm.error}")
+                raise WarmUpError(f"the warm-up request failed: {warm.error}")
+
+
+def run_all(target: Target, levels: list[list[BenchRequest]], args: argparse.Namespace) -> list[LevelResult]:
+    asyncio.run(warm_up(target, levels[0][0].prompt, args))
+    processes = [client_processes(c, args.client_processes) for c in args.concurrency]
     results = []
-    for concurrency in args.concurrency:
-        result = await run_level(target, prompts, concurrency, args.request_rate, args.seed, args.timeout)
-        _print_level(result)
-        results.append(result)
+    context = multiprocessing.get_context("spawn")  # the client processes need neither torch nor CUDA
+    with ProcessPoolExecutor(max(processes), mp_context=context) as pool:
+        for concurrency, requests, share in zip(args.concurrency, levels, processes, strict=True):
+            result = run_level(
+                target, requests, concurrency, args.request_rate, args.seed, args.timeout, pool, share
+            )
+            _print_level(result, share)
+            results.append(result)
     return results
 
 
-def _print_level(result: LevelResult) -> None:
+def run_offline(
+    model: str, levels: list[list[BenchRequest]], args: argparse.Namespace
+) -> tuple[list[LevelResult], str]:
+    from tokenmill.benchmarks.serve.offline import OfflineSettings, run_offline_level
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=model))
+    print(engine.describe_startup(), file=sys.stderr)
+    settings = OfflineSettings(args.ignore_eos, args.temperature)
+    results = []
+    for concurrency, requests in zip(args.concurrency, levels, strict=True):
+        result = run_offline_level(engine, requests, concurrency, settings, str(concurrency))
+        _print_level(result)
+        results.append(result)
+    return results, detect_hardware(engine.device).describe()
+
+
+def _print_level(result: LevelResult, processes: int = 1) -> None:
     s = result.summary()
+    clients = f" ({processes} client processes)" if processes > 1 else ""
     print(
-        f"concurrency {s['concurrency']:>4}: {s['completed']} ok, {s['failed']} failed, "
+        f"concurrency {s['concurrency']:>4}{clients}: {s['completed']} ok, {s['failed']} failed, "
         f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
         f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, TPOT p50 {s['tpot_ms']['p50']:.1f} ms",
         file=sys.stderr,
@@ -77,32 +131,66 @@ def _print_level(result: LevelResult) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
-    base_url = args.url.rstrip("/").removesuffix("/v1")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    try:
-        model = args.model or resolve_model(base_url, headers, args.timeout)
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        print(f"tokenmill bench serve: cannot list the models of {base_url}: {exc}", file=sys.stderr)
-        return 1
+    levels = level_requests(args)
     if args.dataset is not None:
-        prompts, described = dataset_prompts(args.dataset, args.num_prompts), f"prompts from {args.dataset}"
+        described = f"prompts from {args.dataset}"
     else:
-        prompts = synthetic_prompts(args.num_prompts, args.input_len, args.seed)
-        described = f"synthetic prompts of {args.input_len} words"
-    target = Target(base_url, model, headers, args.output_len, args.ignore_eos, args.temperature)
-    results = asyncio.run(run_all(target, prompts, args))
+        described = f"synthetic prompts of {_range_text(args.input_len)} words"
+    if args.offline is not None:
+        where, model = "offline (the engine in this process, no server)", args.offline
+        results, machine = run_offline(args.offline, levels, args)
+    else:
+        where = args.url.rstrip("/").removesuffix("/v1")
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        try:
+            model = args.model or resolve_model(where, headers, args.timeout)
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            print(f"tokenmill bench serve: cannot list the models of {where}: {exc}", file=sys.stderr)
+            return 1
+        target = Target(where, model, headers, args.output_len[1], args.ignore_eos, args.temperature)
+        try:
+            results = run_all(target, levels, args)
+        except WarmUpError as exc:
+            print(f"tokenmill bench serve: {exc}", file=sys.stderr)
+            return 1
+        machine = _client_host()
     summaries = [result.summary() for result in results]
     print(level_table(summaries))
+    comparisons = [_comparison(item, summaries) for item in args.compare]
+    for table in comparisons:
+        print(table)
     scaling = scaling_line(summaries)
     if scaling:
         print(scaling)
     if args.report_dir is not None:
-        origin = provenance(client_machine())  # the client's: the server's hardware is not known here
-        payload = {"provenance": origin.to_json(), **_payload(args, base_url, model, described, summaries)}
+        origin = provenance(machine)
+        payload = {"provenance": origin.to_json(), **_payload(args, where, model, described, summaries)}
+        payload["comparisons"] = comparisons
         payload["requests"] = {str(r.concurrency): [_record_dict(rec) for rec in r.records] for r in results}
         for path in write_report(args.report_dir, payload, summaries, origin):
             print(f"wrote {path}", file=sys.stderr)
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
+
+
+def _client_host() -> str:
+    """The client's machine; a server on another host is not described (one on this host uses its GPU)."""
+    import torch
+
+    host = client_machine()
+    if torch.cuda.is_available():
+        host += f"; this host's GPU: {detect_hardware(torch.device('cuda')).describe()}"
+    return host
+
+
+def _range_text(bounds: tuple[int, int]) -> str:
+    low, high = bounds
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def _comparison(item: str, summaries: list[dict[str, Any]]) -> str:
+    label, _, path = item.partition("=")
+    other = json.loads(Path(path).read_text())
+    return comparison_table(label, summaries, other["levels"])
 
 
 def _payload(
@@ -114,8 +202,8 @@ def _payload(
         "workload": {
             "num_prompts": args.num_prompts,
             "prompts": described,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
+            "input_len": _range_text(args.input_len),
+            "output_len": _range_text(args.output_len),
             "ignore_eos": args.ignore_eos,
             "temperature": args.temperature,
             "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",

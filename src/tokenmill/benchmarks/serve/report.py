@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenmill.benchmarks.report import Provenance, markdown_table, pyplot, save_figure
 
-METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"))
+METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 STATS = ("mean", "p50", "p90", "p99")
 
 
@@ -29,6 +29,27 @@ def level_table(summaries: Sequence[dict[str, Any]]) -> str:
         row += [_fmt(s[key][stat]) for key, _ in METRICS for stat in STATS]
         rows.append(row)
     return markdown_table(headers, rows)
+
+
+def comparison_table(label: str, mine: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]) -> str:
+    """This run beside ``label``'s, at the levels both have: output tok/s and its ratio, ITL and TTFT p50."""
+    theirs = {s["concurrency"]: s for s in other}
+    headers = ["concurrency", "output tok/s", f"{label} output tok/s", f"ratio to {label}"]
+    headers += ["ITL p50 (ms)", f"{label} ITL p50 (ms)", "TTFT p50 (ms)", f"{label} TTFT p50 (ms)"]
+    rows = []
+    for s in mine:
+        peer = theirs.get(s["concurrency"])
+        if peer is None:
+            continue
+        ratio = s["output_throughput"] / peer["output_throughput"] if peer["output_throughput"] else math.nan
+        rows.append(
+            [
+                *(str(s["concurrency"]), _fmt(s["output_throughput"]), _fmt(peer["output_throughput"])),
+                *(_fmt(ratio, 2), _fmt(s["itl_ms"]["p50"], 2), _fmt(peer["itl_ms"]["p50"], 2)),
+                *(_fmt(s["ttft_ms"]["p50"]), _fmt(peer["ttft_ms"]["p50"])),
+            ]
+        )
+    return f"Beside {label}:\n\n" + markdown_table(headers, rows)
 
 
 def scaling_line(summaries: Sequence[dict[str, Any]]) -> str | None:
@@ -55,17 +76,20 @@ def write_report(
 
 def _markdown(payload: dict[str, Any], summaries: list[dict[str, Any]], image: str | None) -> str:
     workload = payload["workload"]
+    counts = "/".join(map(str, workload["num_prompts"]))
     lines = [
         "# tokenmill bench serve",
         "",
         f"- server: {payload['url']} (model `{payload['model']}`)",
-        f"- workload: {workload['num_prompts']} prompts per level, {workload['prompts']}, "
+        f"- workload: {counts} prompts per level, {workload['prompts']}, "
         f"max_tokens {workload['output_len']}, ignore_eos {workload['ignore_eos']}, "
         f"temperature {workload['temperature']}, request rate {workload['request_rate']}",
         "",
         level_table(summaries),
         "",
     ]
+    for table in payload.get("comparisons", []):
+        lines += [table, ""]
     scaling = scaling_line(summaries)
     if scaling:
         lines += [scaling, ""]

@@ -41,6 +41,7 @@ from tokenmill.benchmarks.structured.overhead import (
 )
 from tokenmill.benchmarks.workload import WorkloadSpec
 from tokenmill.loading import LoadedModel
+from tokenmill.loading.loader import load_tokenizer
 from tokenmill.loading.source import DummySource, resolve_source
 from tokenmill.structured.manager import BACKENDS
 from tokenmill.tokenizer import Tokenizer
@@ -79,8 +80,12 @@ def run(args: argparse.Namespace) -> int:
 def with_tokenizer(loaded: LoadedModel, tokenizer_model: str | None) -> LoadedModel:
     if loaded.tokenizer is not None and tokenizer_model is None:
         return loaded
-    source = resolve_source(tokenizer_model)
-    tokenizer = None if isinstance(source, DummySource) else source.tokenizer()
+    tokenizer: Tokenizer | None
+    if tokenizer_model is not None and Path(tokenizer_model).is_dir():
+        tokenizer = load_tokenizer(tokenizer_model)  # a folder's tokenizer needs no weights beside it
+    else:
+        source = resolve_source(tokenizer_model)
+        tokenizer = None if isinstance(source, DummySource) else source.tokenizer()
     if tokenizer is None:
         raise ValueError(f"{tokenizer_model or 'the embedded model'} has no tokenizer")
     if tokenizer.vocab_size > loaded.config.vocab_size:

@@ -1,0 +1,5 @@
+import sys
+
+from tokenmill.benchmarks.seeds.command import main
+
+sys.exit(main())
