@@ -187,8 +187,9 @@ def render(runs: Sequence[TimedRun], batch_size: int) -> list[str]:
         f"{batch_size}",
         "- acceptance: accepted / proposed draft tokens; tokens / verification step: accepted drafts plus "
         "the model's own token, per step that verified drafts; tokens / step: per decode step of any kind",
-        "- speculative steps run eagerly, without overlapped decoding (CUDA graphs cover plain decode "
-        "steps only)",
+        "- no step speculates while speculative_disable_by_batch_size or more sequences run (auto: 8 on "
+        "CPU, 32 on a GPU); on a GPU, batch-1 verification steps run through the one-sequence prefill "
+        "graphs, batched ones eagerly, and decoding is not overlapped while speculating",
     ]
 
 
