@@ -86,15 +86,30 @@ def test_batches_and_prompt_logprobs_stay_eager(tiny) -> None:  # type: ignore[n
 
 
 def test_buckets_follow_the_config() -> None:
+    """Buckets up to the first that holds the longest chunk (the token budget or the context)."""
     config = EngineConfig().with_options(max_num_batched_tokens=100, chunked_prefill=True, max_num_seqs=8)
     cuda = torch.device("cuda")
-    assert prefill_graph_sizes(config.with_options(cuda_graphs=True), cuda, 4096) == (16, 32, 64)
-    assert prefill_graph_sizes(config.with_options(cuda_graphs=True), cuda, 40) == (16, 32)
-    assert (
-        prefill_graph_sizes(config.with_options(cuda_graphs=True, cuda_graph_prefill=False), cuda, 4096) == ()
+    on = config.with_options(cuda_graphs=True)
+    assert prefill_graph_sizes(on, cuda, 4096) == (16, 32, 64, 128)  # a chunk of 100 needs the 128
+    assert prefill_graph_sizes(on, cuda, 40) == (16, 32, 64)
+    assert prefill_graph_sizes(on.with_options(max_num_batched_tokens=8192), cuda, 192) == (
+        16,
+        32,
+        64,
+        128,
+        256,
     )
+    assert prefill_graph_sizes(on.with_options(max_num_batched_tokens=8192), cuda, 4096) == (
+        16,
+        32,
+        64,
+        128,
+        256,
+        512,
+    )
+    assert prefill_graph_sizes(on.with_options(cuda_graph_prefill=False), cuda, 4096) == ()
     assert prefill_graph_sizes(config.with_options(cuda_graphs=False), cuda, 4096) == ()
-    assert prefill_graph_sizes(config.with_options(cuda_graphs=True), torch.device("cpu"), 4096) == ()
+    assert prefill_graph_sizes(on, torch.device("cpu"), 4096) == ()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="capturing CUDA graphs needs a GPU")

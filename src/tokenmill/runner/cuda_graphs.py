@@ -115,7 +115,7 @@ class DecodeOutputs(NamedTuple):
     logits: DecodeLogits | None
 
 
-class _HostStaging:
+class HostStaging:
     """A pinned host copy of the static buffers' layout, written with numpy and copied in one transfer.
     The event marks when its last copy has run, so it is not overwritten before."""
 
@@ -141,7 +141,7 @@ class DecodeInputs:
         self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
         self.views = self.layout.views(self.buffer)
         self.views["block_tables"] = self.views["block_tables"].view(capacity, table_width)
-        self._staging = [_HostStaging(self.layout, device) for _ in range(2)]
+        self._staging = [HostStaging(self.layout, device) for _ in range(2)]
         self._turn = 0
 
     def view(self, num_rows: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

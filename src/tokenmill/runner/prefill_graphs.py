@@ -22,7 +22,7 @@ from tokenmill.attention import AttentionBackend, ForwardContext, KVCacheLayer, 
 from tokenmill.cache.kv_cache_manager import KVCacheManager
 from tokenmill.config import EngineConfig
 from tokenmill.models import CausalLM
-from tokenmill.runner.cuda_graphs import CaptureReport, padded_batch_size
+from tokenmill.runner.cuda_graphs import CaptureReport, HostStaging, padded_batch_size
 from tokenmill.runner.step_inputs import PADDING_SLOT, PackedLayout, attention_metadata, build_step_arrays
 from tokenmill.scheduler.output import ScheduledChunk
 
@@ -38,8 +38,10 @@ def prefill_graph_sizes(config: EngineConfig, device: torch.device, max_model_le
     graphs = config.graphs
     if not (graphs.enabled and graphs.prefill) or device.type != "cuda":
         return ()
-    longest = min(config.scheduler.token_budget, max_model_len)
-    return tuple(size for size in PREFILL_GRAPH_TOKENS if size <= longest + 1)
+    longest = min(config.scheduler.token_budget, max_model_len)  # a chunk's most tokens
+    needed = [size for size in PREFILL_GRAPH_TOKENS if size <= longest]
+    above = [size for size in PREFILL_GRAPH_TOKENS if size > longest]
+    return (*needed, *above[:1])  # up to the first bucket that holds every chunk
 
 
 class PrefillGraphRunner:
@@ -73,6 +75,8 @@ class PrefillGraphRunner:
         self.views["block_tables"] = self.views["block_tables"].view(_NUM_SEQS, self.table_width)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self._staging = [HostStaging(self.layout, self.device) for _ in range(2)]  # filled in turns
+        self._turn = 0
 
     def can_run(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """One sequence's chunk of more than one token that fits a bucket (and wants no prompt logprobs:
@@ -99,9 +103,14 @@ class PrefillGraphRunner:
         """The chunk's rows, then the padding sequence's, into a pinned staging copy sent in one transfer."""
         arrays = build_step_arrays([chunk], self.kv, table_width=self.table_width)
         real, pad = chunk.num_tokens, num_tokens - chunk.num_tokens
-        host = torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        views = self.layout.numpy_views(host.numpy())
+        staging = self._staging[self._turn]
+        self._turn ^= 1
+        if staging.copied is not None:
+            staging.copied.synchronize()  # its previous copy has long run: this returns at once
+        views = staging.views
+        views["block_tables"][:] = 0
         views["input_ids"][:real] = arrays["input_ids"]
+        views["input_ids"][real:num_tokens] = 0
         views["positions"][:real] = arrays["positions"]
         views["positions"][real:num_tokens] = np.arange(pad)
         views["slot_mapping"][:real] = arrays["slot_mapping"]
@@ -109,7 +118,9 @@ class PrefillGraphRunner:
         views["seq_lens"][:] = (arrays["seq_lens"][0], pad)
         views["query_start_loc"][:] = (0, real, num_tokens)
         views["block_tables"][: self.table_width] = arrays["block_tables"][0]
-        self.buffer.copy_(host, non_blocking=True)
+        self.buffer.copy_(staging.tensor, non_blocking=True)
+        if staging.copied is not None:
+            staging.copied.record()
 
     def forward_static_buffers(self, num_tokens: int) -> torch.Tensor:
         """The model over the first ``num_tokens`` rows of the static buffers: what a graph captures."""
