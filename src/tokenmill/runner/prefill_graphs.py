@@ -133,6 +133,16 @@ class PrefillGraphRunner:
             hidden: torch.Tensor = self.model(rows["input_ids"], rows["positions"])
         return hidden
 
+    def fill_for_capture(self, size: int) -> None:
+        """Inputs of a ``size`` bucket split as a real step's can be (a bucket is picked for ``L >= P/2``,
+        so both halves stay within the context and its block table): no K/V is written, every block is
+        block 0, every position 0."""
+        half = size // 2
+        self.buffer.zero_()
+        self.views["slot_mapping"].fill_(PADDING_SLOT)
+        self.views["query_start_loc"].copy_(torch.tensor([0, size - half, size], dtype=torch.int32))
+        self.views["seq_lens"].copy_(torch.tensor([size - half, half], dtype=torch.int32))
+
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
         if self.device.type != "cuda":
@@ -140,12 +150,9 @@ class PrefillGraphRunner:
         torch.cuda.synchronize(self.device)
         reserved_before = torch.cuda.memory_reserved(self.device)
         start = time.perf_counter()
-        self.buffer.zero_()
-        self.views["slot_mapping"].fill_(PADDING_SLOT)  # capturing writes no K/V anywhere
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            self.views["query_start_loc"].copy_(torch.tensor([0, 1, size], dtype=torch.int32))
-            self.views["seq_lens"].copy_(torch.tensor([1, size - 1], dtype=torch.int32))
+            self.fill_for_capture(size)
             self.forward_static_buffers(size)  # compiles this shape's kernels outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
