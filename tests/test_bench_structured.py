@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_helpers import in_thread
 from tokenmill.benchmarks.structured import command
@@ -48,3 +49,19 @@ def test_a_model_without_a_tokenizer_borrows_the_embedded_one(smollm2) -> None: 
     tiny = dataclasses.replace(bare, config=dataclasses.replace(smollm2.config, vocab_size=384))
     with pytest.raises(ValueError, match="exceed the model's 384"):
         command.with_tokenizer(tiny, None)
+
+
+def test_the_float32_reference_keeps_a_borrowed_tokenizer_and_eos(tiny_llama_folder) -> None:  # type: ignore[no-untyped-def]
+    """A dummy model measured with another model's tokenizer: the float32 copy the checks run must end
+    sequences on the same EOS ids (the reloaded copy would have its own vocabulary's)."""
+    import dataclasses
+
+    from tokenmill.benchmarks.correctness import float32_copy
+    from tokenmill.config import EngineConfig
+    from tokenmill.loading import load_model
+
+    loaded = load_model(tiny_llama_folder, dtype="bfloat16")
+    borrowed = dataclasses.replace(loaded, eos_token_ids=(7,), tokenizer=None)
+    copy = float32_copy(EngineConfig(model=str(tiny_llama_folder)), borrowed)
+    assert copy.dtype == torch.float32 and copy.eos_token_ids == (7,) and copy.tokenizer is None
+    assert loaded.eos_token_ids != (7,)

@@ -8,6 +8,7 @@ flip greedy near-ties. Their greedy tokens must be equal and the log-probabiliti
 could not tell a bug from rounding.)
 """
 
+import dataclasses
 import gc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -84,9 +85,11 @@ def check_fast_path(
 
 
 def float32_copy(config: EngineConfig, loaded: LoadedModel) -> LoadedModel:
+    """``loaded`` in float32: the same weights reloaded, with the tokenizer and EOS ids it was given (a
+    dummy model's may be borrowed from another model)."""
     if loaded.dtype == torch.float32:
         return loaded
-    return load_model(
+    copy = load_model(
         config.model,
         device=loaded.device,
         dtype="float32",
@@ -94,6 +97,7 @@ def float32_copy(config: EngineConfig, loaded: LoadedModel) -> LoadedModel:
         max_model_len=config.max_model_len,
         seed=config.seed,
     )
+    return dataclasses.replace(copy, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids)
 
 
 def _greedy(
