@@ -170,9 +170,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--stream-interval",
         type=int,
-        default=None,
-        help="tokens per streamed chunk after the first (default: adaptive, 1 up to 32 running "
-        "sequences, then one more per 32)",
+        default=1,
+        help="tokens per streamed chunk after the first (default 1: every token as it comes)",
     )
     levels = ["critical", "error", "warning", "info", "debug"]
     group.add_argument("--log-level", default="info", choices=levels, help="uvicorn's (default: info)")
@@ -181,7 +180,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 def check_server_arguments(args: argparse.Namespace) -> None:
     if args.max_waiting is not None and args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    if args.stream_interval is not None and args.stream_interval < 1:
+    if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
