@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -281,25 +281,47 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
-        if self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        reserved_before = torch.cuda.memory_reserved(self.device)
-        start = time.perf_counter()
         self.inputs.write([], self.kv, self.inputs.capacity)  # every row padding
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # largest first: the others reuse its pool memory
-            self.forward_static_buffers(size)  # warm-up outside the capture: compiles this shape's kernels
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.forward_static_buffers(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
-        torch.cuda.empty_cache()
-        pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
-        return CaptureReport(self.sizes, seconds, pool_bytes)
+        captured = capture_graphs(
+            self.device, self.sizes, lambda _: None, self.forward_static_buffers, "decode batch sizes"
+        )
+        self.graphs, self.outputs, report = captured
+        return report
+
+
+Output = TypeVar("Output")
+
+
+def capture_graphs(
+    device: torch.device,
+    sizes: Sequence[int],
+    prepare: Callable[[int], None],
+    forward: Callable[[int], Output],
+    what: str,
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, Output], CaptureReport]:
+    """One graph of ``forward(size)`` per size, each after ``prepare(size)`` and a run outside the capture
+    that compiles the shape's kernels; largest first, so the others reuse its pool memory."""
+    if device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    reserved_before = torch.cuda.memory_reserved(device)
+    start = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle()
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, Output] = {}
+    for size in sorted(sizes, reverse=True):
+        prepare(size)
+        forward(size)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = forward(size)
+        graphs[size] = graph
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    torch.cuda.empty_cache()
+    pool_bytes = torch.cuda.memory_reserved(device) - reserved_before
+    return graphs, outputs, CaptureReport(tuple(sorted(sizes)), seconds, pool_bytes, what)
 
 
 def _same_rows(started: Sequence[ScheduledChunk], chunks: Sequence[ScheduledChunk]) -> bool:

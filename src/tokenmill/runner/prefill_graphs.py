@@ -12,7 +12,6 @@ cached prefix. The LM head runs after the replay, on the last real row only.
 """
 
 import logging
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,7 +21,7 @@ from tokenmill.attention import AttentionBackend, ForwardContext, KVCacheLayer, 
 from tokenmill.cache.kv_cache_manager import KVCacheManager
 from tokenmill.config import EngineConfig
 from tokenmill.models import CausalLM
-from tokenmill.runner.cuda_graphs import CaptureReport, HostStaging, padded_batch_size
+from tokenmill.runner.cuda_graphs import CaptureReport, HostStaging, capture_graphs, padded_batch_size
 from tokenmill.runner.step_inputs import PADDING_SLOT, PackedLayout, attention_metadata, build_step_arrays
 from tokenmill.scheduler.output import ScheduledChunk
 
@@ -145,20 +144,12 @@ class PrefillGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
-        if self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
-        torch.cuda.synchronize(self.device)
-        reserved_before = torch.cuda.memory_reserved(self.device)
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self.fill_for_capture(size)
-            self.forward_static_buffers(size)  # compiles this shape's kernels outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.forward_static_buffers(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
-        pool_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
-        return CaptureReport(self.sizes, seconds, pool_bytes, "prefill token counts")
+        captured = capture_graphs(
+            self.device,
+            self.sizes,
+            self.fill_for_capture,
+            self.forward_static_buffers,
+            "prefill token counts",
+        )
+        self.graphs, self.outputs, report = captured
+        return report
