@@ -42,8 +42,8 @@ FUSED_QKV_GATE_UP: tuple[tuple[str, str, ShardId], ...] = (
 def local_heads(config: ModelConfig) -> tuple[int, int]:
     """(query heads, KV heads) this rank holds."""
     tp = tp_world_size()
-    local_kv, _ = kv_head_shard(config.num_kv_heads, tp, tp_rank())
-    return divide(config.num_heads, tp, "attention heads"), local_kv
+    local_q = divide(config.num_heads, tp, "attention heads")
+    return local_q, kv_head_shard(config.num_kv_heads, tp, tp_rank())[0]
 
 
 def llama_sliding_windows(reader: ConfigReader, architecture: str, num_layers: int) -> tuple[int | None, ...]:
