@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import save_tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tiny_models import save_tiny_model
 from tokenmill import LLM
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -65,7 +65,9 @@ def _engine(model: str, tp: int, **options: Any) -> LLMEngine:
     return LLMEngine(config)
 
 
-def _greedy(model: str, tp: int, prompts: dict[str, list[int]] = PROMPTS, **options: Any) -> dict[str, list[int]]:
+def _greedy(
+    model: str, tp: int, prompts: dict[str, list[int]] = PROMPTS, **options: Any
+) -> dict[str, list[int]]:
     """Each prompt's greedy tokens, the prompts batched continuously in one engine."""
     engine = _engine(model, tp, **options)
     try:
@@ -74,7 +76,9 @@ def _greedy(model: str, tp: int, prompts: dict[str, list[int]] = PROMPTS, **opti
         engine.shutdown()
 
 
-def _run(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
+def _run(
+    engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams = GREEDY
+) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, params)
@@ -104,7 +108,9 @@ def _hf_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
 )
 def test_greedy_tokens_match_one_rank(folders: dict[str, Path], name: str, tp: int) -> None:
     model = str(folders[name])
-    assert _greedy(model, tp) == _greedy(model, 1)
+    reference = _greedy(model, 1)
+    assert all(len(tokens) == GREEDY.max_tokens for tokens in reference.values())
+    assert _greedy(model, tp) == reference
 
 
 def test_two_ranks_match_transformers(folders: dict[str, Path]) -> None:
@@ -167,7 +173,9 @@ def test_killed_worker_ends_the_engine_with_an_error_naming_its_rank(folders: di
 
 
 def test_heads_not_divisible_by_ranks_is_a_clear_error(folders: dict[str, Path]) -> None:
-    with pytest.raises(ValueError, match=r"attention heads \(4\) is not divisible by the tensor-parallel size \(3\)"):
+    with pytest.raises(
+        ValueError, match=r"attention heads \(4\) is not divisible by the tensor-parallel size \(3\)"
+    ):
         _engine(str(folders["llama3"]), 3)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("tokenmill-tp")]
 
@@ -191,4 +199,6 @@ def test_real_models_match_one_rank(model: str, tp: int) -> None:
     """SmolLM2: 9 heads, 3 KV heads over 3 ranks; Gemma 3 270M: 4 heads, 1 KV head replicated on 2."""
     prompts = {"a": [1, 504, 3458, 282, 4649, 314], "b": [2, 651, 3087, 576, 6081, 603]}
     options = {"max_model_len": 128, "num_kv_blocks": 16}
-    assert _greedy(model, tp, prompts, **options) == _greedy(model, 1, prompts, **options)
+    reference = _greedy(model, 1, prompts, **options)
+    assert all(reference.values())
+    assert _greedy(model, tp, prompts, **options) == reference

@@ -33,8 +33,8 @@ from tokenmill.engine.warm_start import WarmStartReport, warm_up_waves
 from tokenmill.kernels.options import resolve_kernel_toggle
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.models import CausalLM
-from tokenmill.parallel.engine_setup import eager_for_tensor_parallel, per_rank_model_config, start_workers
 from tokenmill.outputs import RequestDelta, RowLogprobs
+from tokenmill.parallel.engine_setup import eager_for_tensor_parallel, per_rank_model_config, start_workers
 from tokenmill.runner.cuda_graphs import cuda_graph_sizes
 from tokenmill.runner.kv_cache import KVCache, create_kv_cache
 from tokenmill.runner.memory_profile import profile_forward
@@ -128,7 +128,9 @@ class LLMEngine:
         dtype = next(model.parameters()).dtype
         profile = functools.partial(profile_forward, model, backend, sampler)
         if self.workers is None:
-            kv_cache = create_kv_cache(self.config, self.model_config, self.max_model_len, device, dtype, profile)
+            kv_cache = create_kv_cache(
+                self.config, self.model_config, self.max_model_len, device, dtype, profile
+            )
         else:
             world = self.workers.world_size
             kv_config = per_rank_model_config(self.model_config, world)

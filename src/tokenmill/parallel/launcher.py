@@ -47,9 +47,19 @@ class WorkerGroup:
         for rank in range(1, world):
             worker_device = f"cuda:{(device.index or 0) + rank}" if device.type == "cuda" else "cpu"
             spec = WorkerSpec(
-                rank, world, "127.0.0.1", store.port, backend, worker_device, config, timeout_s, IDLE_TIMEOUT_S
+                rank,
+                world,
+                "127.0.0.1",
+                store.port,
+                backend,
+                worker_device,
+                config,
+                timeout_s,
+                IDLE_TIMEOUT_S,
             )
-            process = context.Process(target=run_worker, args=(spec,), name=f"tokenmill-tp-{rank}", daemon=True)
+            process = context.Process(
+                target=run_worker, args=(spec,), name=f"tokenmill-tp-{rank}", daemon=True
+            )
             process.start()
             self.processes[rank] = process
         self._stop = weakref.finalize(self, _stop_processes, list(self.processes.values()))

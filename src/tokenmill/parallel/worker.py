@@ -121,7 +121,9 @@ def serve_steps(
         if command == Command.SHUTDOWN:
             return
         if command == Command.FORWARD:
-            arrays = {name: to_device_async(array, device) for name, array in receive_step_arrays(header).items()}
+            arrays = {
+                name: to_device_async(array, device) for name, array in receive_step_arrays(header).items()
+            }
             metadata = attention_metadata(arrays, header[1], header[2])
             with forward_context(ForwardContext(metadata, backend, layers)):
                 model(arrays["input_ids"], arrays["positions"])

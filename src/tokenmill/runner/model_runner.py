@@ -98,7 +98,9 @@ class ModelRunner:
         the token buckets of one-sequence prefill graphs (none: prefill eagerly); ``mirror``: tensor-parallel
         workers told of every forward pass and logits computation, to run theirs on their shards."""
         if mirror is not None and (graph_sizes or prefill_graph_sizes):
-            raise ValueError("tensor-parallel steps run eagerly: CUDA graphs are not captured across ranks yet")
+            raise ValueError(
+                "tensor-parallel steps run eagerly: CUDA graphs are not captured across ranks yet"
+            )
         self.mirror = mirror
         self.model = model
         self.backend = backend
@@ -174,7 +176,10 @@ class ModelRunner:
         """The hidden states of an eager step over ``chunks``, and the rows whose logits it needs."""
         arrays = build_step_arrays(chunks, self.kv.manager)
         dev = pack_to_device(arrays, self.device)
-        max_query_len, max_seq_len = max(chunk.num_tokens for chunk in chunks), max(chunk.end for chunk in chunks)
+        max_query_len, max_seq_len = (
+            max(chunk.num_tokens for chunk in chunks),
+            max(chunk.end for chunk in chunks),
+        )
         if self.mirror is not None:
             self.mirror.forward(arrays, max_query_len, max_seq_len)
         metadata = attention_metadata(dev, max_query_len, max_seq_len)
