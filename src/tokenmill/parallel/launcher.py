@@ -120,20 +120,19 @@ class WorkerGroup:
         if graceful and not self.dead_ranks():
             with contextlib.suppress(Exception):
                 self.sender.shutdown()
-        elif not graceful:
             for process in self.processes.values():
-                process.kill()  # it may be waiting inside a collective that will never complete
-        self._stop()
+                process.join(timeout=5.0)
+        self._stop()  # kills what is left: a worker may wait inside a collective that will never complete
         destroy_tensor_parallel()
 
 
 def _stop_processes(processes: list[_Process]) -> None:
-    for process in processes:
-        process.join(timeout=5.0)
+    """Kill the workers still running (also at interpreter exit, when no shutdown came first)."""
     for process in processes:
         if process.is_alive():
             process.kill()
-            process.join(timeout=5.0)
+    for process in processes:
+        process.join(timeout=5.0)
 
 
 def _describe_dead(dead: dict[int, int | None]) -> str:
