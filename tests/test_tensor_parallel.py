@@ -50,7 +50,7 @@ def _save_config(config: LlamaConfig, folder: Path) -> None:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     saved = {}
-    for name in ("llama3", "qwen3", "gemma3"):
+    for name in ("llama3", "llama-tied", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"):
         saved[name] = tmp_path_factory.mktemp(name)
         save_tiny_model(name, saved[name])
     for name, config in EXTRA_CONFIGS.items():
@@ -104,6 +104,10 @@ def _hf_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
         ("llama-6h-1kv", 3),  # ... and on three
         ("qwen3", 2),  # q/k norms, tied embeddings
         ("gemma3", 2),  # sliding windows, GeGLU, scaled embeddings
+        ("llama-tied", 2),  # tied embeddings, attention biases (added once, on rank 0)
+        ("mistral", 2),  # sliding window
+        ("qwen2", 2),  # q/k/v biases, sharded with their rows
+        ("gpt2", 2),  # learned positions, multi-head attention, fused c_attn
     ],
 )
 def test_greedy_tokens_match_one_rank(folders: dict[str, Path], name: str, tp: int) -> None:
@@ -202,3 +206,37 @@ def test_real_models_match_one_rank(model: str, tp: int) -> None:
     reference = _greedy(model, 1, prompts, **options)
     assert all(reference.values())
     assert _greedy(model, tp, prompts, **options) == reference
+
+
+def _logprob_values(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[float]:
+    """The sampled tokens' logprobs and the prompt logprobs of one request, flattened."""
+    engine.add_request("lp", prompt, params)
+    values: list[float] = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            rows = [*(delta.prompt_logprobs or []), *(delta.new_logprobs or [])]
+            values += [
+                value for row in rows if row is not None for value in (row.logprob, *dict(row.top).values())
+            ]
+    return values
+
+
+def test_logprobs_and_prompt_logprobs_match_one_rank(folders: dict[str, Path]) -> None:
+    """Prompt logprobs take logits of other rows than sampling does: every rank computes its vocabulary
+    slice of those too."""
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1)
+    runs = {}
+    for tp in (1, 2):
+        engine = _engine(str(folders["llama3"]), tp)
+        try:
+            runs[tp] = _logprob_values(engine, PROMPTS["c"], params)
+        finally:
+            engine.shutdown()
+    assert len(runs[1]) == 6 * 2 + 3 * 3  # 6 predicted prompt positions (itself + top 1), 3 sampled (+ top 2)
+    assert runs[2] == pytest.approx(runs[1], abs=1e-4)
+
+
+def test_one_rank_starts_no_process_group(folders: dict[str, Path]) -> None:
+    engine = _engine(str(folders["llama3"]), 1)
+    assert engine.workers is None
+    assert not torch.distributed.is_initialized()

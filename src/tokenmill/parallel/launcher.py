@@ -97,6 +97,7 @@ class WorkerGroup:
         if not self._stop.alive:
             raise TensorParallelError("the tensor-parallel workers have been stopped")
         try:
+            self.raise_if_dead()  # a worker that died between steps, before a collective notices
             yield
         except Exception as error:
             dead = self._wait_for_exit(1.0) if isinstance(error, RuntimeError) else {}
