@@ -5,6 +5,9 @@ and end with a clear error, no orphaned process, when a worker dies."""
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +243,59 @@ def test_one_rank_starts_no_process_group(folders: dict[str, Path]) -> None:
     engine = _engine(str(folders["llama3"]), 1)
     assert engine.workers is None
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.slow
+def test_a_hung_worker_times_out_with_an_error(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that stops answering (SIGSTOP) is not dead: the collective's timeout ends the step."""
+    monkeypatch.setattr("tokenmill.parallel.launcher.COLLECTIVE_TIMEOUT_S", 3.0)
+    engine = _engine(str(folders["llama3"]), 2)
+    assert engine.workers is not None
+    worker = engine.workers.processes[1]
+    os.kill(worker.pid or 0, signal.SIGSTOP)
+    engine.add_request("hung", PROMPTS["a"], GREEDY)
+    with pytest.raises(TensorParallelError, match="a collective failed"):
+        engine.step()
+    assert not worker.is_alive()
+
+
+_ORPHAN_SCRIPT = """
+import sys
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+config = EngineConfig(model=sys.argv[1], device="cpu", tensor_parallel_size=2)
+engine = LLMEngine(config.with_options(num_kv_blocks=16))
+print(*(p.pid for p in engine.workers.processes.values()), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_workers_exit_when_rank_zero_is_killed(folders: dict[str, Path]) -> None:
+    """No orphans: with rank 0 gone (SIGKILL, no clean-up ran), the workers' wait for its next step fails."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_SCRIPT, str(folders["llama3"])],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    assert rank0.stdout is not None
+    pids = [int(pid) for pid in rank0.stdout.readline().split()]
+    assert len(pids) == 1
+    rank0.kill()
+    rank0.wait()
+    deadline = time.monotonic() + 30
+    while _running(pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(pids[0])
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has finished: its parent died, and init reaps it soon)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -28,7 +28,8 @@ def init_tensor_parallel(
     backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta, idle_timeout: timedelta
 ) -> None:
     """Join the group of ``world_size`` ranks through ``store``. ``timeout`` bounds the model's
-    collectives; ``idle_timeout`` the wait of a worker for rank 0's next step (an engine may idle)."""
+    collectives; ``idle_timeout`` those of the control group, where a worker waits for rank 0's next
+    step (an engine may idle for long; each rank's gloo timeout is its own)."""
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=idle_timeout)
     _STATE.world_size, _STATE.rank, _STATE.control = world_size, rank, control

@@ -37,7 +37,8 @@ class TensorParallelError(RuntimeError):
 class WorkerGroup:
     """Ranks 1..N-1 as spawned processes, and rank 0 (this process) joined with them."""
 
-    def __init__(self, config: EngineConfig, device: torch.device, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+    def __init__(self, config: EngineConfig, device: torch.device, timeout_s: float | None = None):
+        timeout_s = timeout_s or COLLECTIVE_TIMEOUT_S
         self.world_size = world = config.tensor_parallel_size
         _check_devices(world, device)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -67,7 +68,7 @@ class WorkerGroup:
         with self.guard("start-up"):
             self._wait_for_workers(store, timeout_s)
             timeout = timedelta(seconds=timeout_s)
-            init_tensor_parallel(backend, store, 0, world, timeout, timedelta(seconds=IDLE_TIMEOUT_S))
+            init_tensor_parallel(backend, store, 0, world, timeout, timeout)  # rank 0 never idles in one
         self._store = store  # the store serves the group while it lives
         logger.info("tensor parallelism: %d ranks over %s (%s)", world, backend, device)
 
@@ -102,7 +103,7 @@ class WorkerGroup:
         except Exception as error:
             dead = self._wait_for_exit(1.0) if isinstance(error, RuntimeError) else {}
             self.shutdown(graceful=False)
-            if isinstance(error, TensorParallelError) or not (dead or isinstance(error, dist.DistError)):
+            if isinstance(error, TensorParallelError) or not (dead or _is_collective_error(error)):
                 raise  # rank 0's own error (e.g. a bad config), not a failed rank or collective
             cause = _describe_dead(dead) if dead else f"a collective failed ({type(error).__name__}: {error})"
             raise TensorParallelError(f"tensor-parallel {what} failed: {cause}") from error
@@ -134,6 +135,12 @@ def _stop_processes(processes: list[_Process]) -> None:
             process.kill()
     for process in processes:
         process.join(timeout=5.0)
+
+
+def _is_collective_error(error: Exception) -> bool:
+    """Whether ``error`` came from a collective (gloo's errors are plain RuntimeErrors naming gloo)."""
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or "gloo" in text or "nccl" in text
 
 
 def _describe_dead(dead: dict[int, int | None]) -> str:
