@@ -77,7 +77,13 @@ class WorkerGroup:
         keys = [f"joined/{rank}" for rank in self.processes]
         deadline = time.monotonic() + timeout_s
         while not store.check(keys):
-            self.raise_if_dead()
+            dead = self.dead_ranks()
+            if dead:
+                raise TensorParallelError(
+                    f"{_describe_dead(dead)} while starting (its traceback is above; workers are spawned, "
+                    "so a script that builds a tensor-parallel engine must do it under "
+                    "`if __name__ == '__main__':`)"
+                )
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"workers did not start within {timeout_s:.0f} s")
             time.sleep(0.05)
