@@ -136,7 +136,6 @@ def test_each_rank_pools_only_its_kv_heads(folders: dict[str, Path]) -> None:
         two.shutdown()
 
 
-@pytest.mark.slow
 def test_preemption_under_continuous_batching(folders: dict[str, Path]) -> None:
     """A pool too small for every sequence at once: sequences are preempted and recomputed, on every rank
     alike, and the tokens stay those of one rank."""
