@@ -261,6 +261,8 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     debug_checks: bool = False  # check allocator + prefix-tree integrity after every step
+    # Ranks each layer is split over (Megatron-style); rank 0 schedules, the others are worker processes.
+    tensor_parallel_size: int = 1
     # Before the first request, run synthetic ones through every kernel the engine can hit, so Triton
     # compiles them at start-up, not inside a request. None (auto): on where Triton kernels compile.
     warm_start: bool | None = None
@@ -275,6 +277,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require_at_least_one("max_model_len", self.max_model_len)
+        _require_at_least_one("tensor_parallel_size", self.tensor_parallel_size)
+        _require(
+            self.tensor_parallel_size == 1 or self.speculative.method is None,
+            "tensor_parallel_size",
+            "1 with speculative decoding (its draft model is not sharded yet)",
+            self.tensor_parallel_size,
+        )
         _require_choice(
             "structured_output_backend", self.structured_output_backend, ("llguidance", "xgrammar")
         )

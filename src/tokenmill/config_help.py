@@ -17,6 +17,8 @@ OPTION_HELP: dict[str, str] = {
     "load_format": "dummy: random weights of the named preset or config.json (real shapes, for benchmarks)",
     "seed": "seed of the dummy weights and of the engine's default sampling generator",
     "max_model_len": "longest sequence (prompt + output) in tokens; unset: the model's limit, at most 8192",
+    "tensor_parallel_size": "split each layer over this many processes (one per GPU; gloo on cpu); rank 0 "
+    "schedules, the others run the same forward pass on their shard",
     "debug_checks": "check the block allocator and the prefix tree after every step (slow)",
     "structured_output_backend": "grammar engine of structured outputs (JSON schema, regex, choice, "
     "grammar): llguidance, or xgrammar (pip install 'tokenmill[xgrammar]')",

@@ -1,33 +1,73 @@
 """Tensor-parallel process state.
 
 Linear layers and embeddings ask this module for their rank and world size so that they load only
-their shard of each weight. Without an initialized process group everything runs as rank 0 of 1.
+their shard of each weight. Without an initialized tensor-parallel group everything runs as rank 0 of 1
+and no collective is called. :func:`init_tensor_parallel` (called by :mod:`tokenmill.parallel`) starts
+the group: the model's collectives run on the default process group (NCCL on CUDA, gloo on CPU); the
+step inputs rank 0 sends each step travel on a second, gloo group (:func:`control_group`).
 """
+
+import dataclasses
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 
+@dataclasses.dataclass
+class _TensorParallelState:
+    world_size: int = 1
+    rank: int = 0
+    control: dist.ProcessGroup | None = None  # gloo, CPU tensors: headers and step inputs
+
+
+_STATE = _TensorParallelState()
+
+
+def init_tensor_parallel(
+    backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta, idle_timeout: timedelta
+) -> None:
+    """Join the group of ``world_size`` ranks through ``store``. ``timeout`` bounds the model's
+    collectives; ``idle_timeout`` those of the control group, where a worker waits for rank 0's next
+    step (an engine may idle for long; each rank's gloo timeout is its own)."""
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=idle_timeout)
+    _STATE.world_size, _STATE.rank, _STATE.control = world_size, rank, control
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group (rank 0 at shutdown), so that a later engine in this process starts its own."""
+    if _STATE.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE.world_size, _STATE.rank, _STATE.control = 1, 0, None
+
+
 def tp_world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return _STATE.world_size
 
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return _STATE.rank
+
+
+def control_group() -> dist.ProcessGroup:
+    if _STATE.control is None:
+        raise RuntimeError("no tensor-parallel group has been started")
+    return _STATE.control
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    if tp_world_size() > 1:
+    if _STATE.world_size > 1:
         dist.all_reduce(x)
     return x
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    world = tp_world_size()
+    world = _STATE.world_size
     if world == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x)
+    dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
 
 
@@ -35,3 +75,18 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
     return numerator // denominator
+
+
+def kv_head_shard(num_kv_heads: int, world_size: int, rank: int) -> tuple[int, int]:
+    """(KV heads this rank holds, index of its first): ``num_kv_heads / world_size`` each, or, with
+    fewer KV heads than ranks, one each, replicated on the ``world_size / num_kv_heads`` ranks whose
+    query heads read it."""
+    if num_kv_heads >= world_size:
+        local = divide(num_kv_heads, world_size, "KV heads")
+        return local, rank * local
+    if world_size % num_kv_heads:
+        raise ValueError(
+            f"the tensor-parallel size ({world_size}) is neither a divisor nor a multiple of the number "
+            f"of KV heads ({num_kv_heads})"
+        )
+    return 1, rank * num_kv_heads // world_size

@@ -30,6 +30,10 @@ class LLM:
         self.engine = engine or LLMEngine(EngineConfig(model=model).with_options(**engine_options))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes, if it has any."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         if self.engine.tokenizer is None:
             raise TokenmillError("this model was loaded without a tokenizer")

@@ -19,7 +19,7 @@ from tokenmill.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from tokenmill.kernels.options import kernels_auto_on, pdl_supported
+from tokenmill.kernels.options import KernelOptions, kernels_auto_on, pdl_supported
 
 GPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 64
@@ -140,3 +140,17 @@ def resolve_device(device: str) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device '{device}' was asked for but CUDA is not available here")
     return resolved
+
+
+def kernel_options_for(config: EngineConfig, device: torch.device) -> KernelOptions:
+    """The kernels a resolved ``config`` binds into the model on ``device`` (every rank binds the same)."""
+    kernels = config.kernels
+    return KernelOptions.resolve(
+        device,
+        kernels.fused_rms_norm,
+        kernels.fused_rotary,
+        kernels.fused_activation,
+        kernels.fused_gemv,
+        kernels.programmatic_launch,
+        prepacked_cpu_linear=kernels.prepacked_cpu_linear,
+    )

@@ -8,6 +8,7 @@ scheduler what to run, has the runner execute it, and hands the result back to t
 """
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -18,7 +19,7 @@ import torch
 
 from tokenmill.attention.selector import create_attention_backend
 from tokenmill.config import EngineConfig
-from tokenmill.engine.hardware_defaults import Platform, resolve_config, resolve_device
+from tokenmill.engine.hardware_defaults import Platform, kernel_options_for, resolve_config, resolve_device
 from tokenmill.engine.input_checks import (
     InvalidRequestError,
     check_priority,
@@ -29,10 +30,11 @@ from tokenmill.engine.input_checks import (
 from tokenmill.engine.startup_report import StartupTimes, describe_startup
 from tokenmill.engine.stop_strings import StopStringDetokenizer
 from tokenmill.engine.warm_start import WarmStartReport, warm_up_waves
-from tokenmill.kernels.options import KernelOptions, resolve_kernel_toggle
+from tokenmill.kernels.options import resolve_kernel_toggle
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.models import CausalLM
 from tokenmill.outputs import RequestDelta, RowLogprobs
+from tokenmill.parallel.engine_setup import eager_for_tensor_parallel, per_rank_model_config, start_workers
 from tokenmill.runner.cuda_graphs import cuda_graph_sizes
 from tokenmill.runner.kv_cache import KVCache, create_kv_cache
 from tokenmill.runner.memory_profile import profile_forward
@@ -67,6 +69,13 @@ class LLMEngine:
         """``loaded`` / ``draft``: the model / draft model (speculative decoding), loaded already."""
         started = time.perf_counter()
         self.device = resolve_device(config.device)
+        self.workers = start_workers(config, self.device, loaded is not None or draft is not None)
+        with self._parallel_guard("start-up"):
+            self._build(config, loaded, draft, started)
+
+    def _build(
+        self, config: EngineConfig, loaded: LoadedModel | None, draft: LoadedModel | None, started: float
+    ) -> None:
         self.loaded = loaded or load_model(
             config.model,
             device=self.device,
@@ -82,6 +91,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(config)
         # Every auto setting decided for this hardware: what the rest of the engine reads.
         self.config = resolve_config(config, Platform.detect(self.device), self.max_model_len)
+        if self.workers is not None:
+            self.config = eager_for_tensor_parallel(self.config, self.device)
         self._check_token_budget()
         self.eos_token_ids = self._eos_token_ids()
         self.structured_outputs = StructuredOutputs(
@@ -109,22 +120,22 @@ class LLMEngine:
         """Model (a copy of the loaded one with its kernels bound), attention backend and sampler, then
         the KV cache sized around their activations, then the runner over all of them."""
         kernels, device = self.config.kernels, self.device
-        options = KernelOptions.resolve(
-            device,
-            kernels.fused_rms_norm,
-            kernels.fused_rotary,
-            kernels.fused_activation,
-            kernels.fused_gemv,
-            kernels.programmatic_launch,
-            prepacked_cpu_linear=kernels.prepacked_cpu_linear,
-        )
+        options = kernel_options_for(self.config, device)
         self.kernel_options = options
         model: CausalLM = self.loaded.model.with_kernels(options)
         backend = create_attention_backend(kernels, device, options.pdl)
         sampler = Sampler(fused=resolve_kernel_toggle("sampling", kernels.fused_sampling, device))
         dtype = next(model.parameters()).dtype
         profile = functools.partial(profile_forward, model, backend, sampler)
-        kv_cache = create_kv_cache(self.config, self.model_config, self.max_model_len, device, dtype, profile)
+        if self.workers is None:
+            kv_cache = create_kv_cache(
+                self.config, self.model_config, self.max_model_len, device, dtype, profile
+            )
+        else:
+            world = self.workers.world_size
+            kv_config = per_rank_model_config(self.model_config, world)
+            kv_cache = create_kv_cache(self.config, kv_config, self.max_model_len, device, dtype)
+            self.workers.sender.setup(kv_cache.pool_tokens // kv_cache.manager.block_size, self.max_model_len)
         graphs = self.config.graphs
         return ModelRunner(
             model,
@@ -138,7 +149,17 @@ class LLMEngine:
             # verification steps run eagerly, so no decode step is started ahead while speculating
             overlap=bool(graphs.overlap_decode) and self.config.speculative.method is None,
             structured=self.structured_outputs,
+            mirror=self.workers.sender if self.workers is not None else None,
         )
+
+    def _parallel_guard(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """With worker processes: a failure stops them all and names a rank that died."""
+        return self.workers.guard(what) if self.workers is not None else contextlib.nullcontext()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them); the engine cannot step after."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     def warm_up(self) -> WarmStartReport:
         """Run synthetic requests through every kernel the engine can hit (see :mod:`.warm_start`), then
@@ -295,10 +316,11 @@ class LLMEngine:
         if scheduled.is_empty:
             deltas, self._pending = self._pending, []
             return self._forget_finished(deltas)
-        step = self.runner.execute(scheduled.chunks)  # if it raises, pending abort deltas are kept
-        if self.runner.can_start_next_step(step) and self.scheduler.reserve_next_step(scheduled):
-            self.runner.start_next_step(step)
-        result = step.result()
+        with self._parallel_guard("step"):
+            step = self.runner.execute(scheduled.chunks)  # if it raises, pending abort deltas are kept
+            if self.runner.can_start_next_step(step) and self.scheduler.reserve_next_step(scheduled):
+                self.runner.start_next_step(step)
+            result = step.result()
         deltas, self._pending = self._pending, []
         sampled = self.scheduler.update(scheduled, result)
         remaining = collections.Counter(seq for seq, _, _ in sampled)  # tokens of each still to come

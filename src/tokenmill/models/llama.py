@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention import AttentionLayer
-from tokenmill.distributed import divide, tp_world_size
+from tokenmill.distributed import divide, kv_head_shard, tp_rank, tp_world_size
 from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ConfigReader, ModelConfig
 from tokenmill.models.layers import (
@@ -40,8 +40,10 @@ FUSED_QKV_GATE_UP: tuple[tuple[str, str, ShardId], ...] = (
 
 
 def local_heads(config: ModelConfig) -> tuple[int, int]:
+    """(query heads, KV heads) this rank holds."""
     tp = tp_world_size()
-    return divide(config.num_heads, tp, "attention heads"), divide(config.num_kv_heads, tp, "KV heads")
+    local_q = divide(config.num_heads, tp, "attention heads")
+    return local_q, kv_head_shard(config.num_kv_heads, tp, tp_rank())[0]
 
 
 def llama_sliding_windows(reader: ConfigReader, architecture: str, num_layers: int) -> tuple[int | None, ...]:

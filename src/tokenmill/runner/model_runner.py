@@ -9,8 +9,10 @@ processes this one. Decode steps run through CUDA graphs when they are captured
 """
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from tokenmill.attention import AttentionBackend, ForwardContext, forward_context
@@ -33,6 +35,14 @@ from tokenmill.speculative.verification import verify_step
 from tokenmill.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
+
+
+class StepMirror(Protocol):
+    """Tensor-parallel workers, told of each eager forward pass and logits computation of rank 0."""
+
+    def forward(self, arrays: Mapping[str, np.ndarray], max_query_len: int, max_seq_len: int) -> None: ...
+
+    def logits(self, hidden: torch.Tensor) -> None: ...
 
 
 class PendingStep:
@@ -79,12 +89,19 @@ class ModelRunner:
         overlap: bool = False,
         structured: StructuredOutputs | None = None,
         prefill_graph_sizes: Sequence[int] = (),
+        mirror: StepMirror | None = None,
     ) -> None:
         """``graph_sizes``: the decode batch sizes to capture in CUDA graphs (none: decode eagerly);
         ``logits_in_graph``: those graphs also compute the logits and their argmax (up to 16 rows);
         ``overlap``: a decode step's successor may be started before the step is read; ``structured``:
         the token masks of sequences with a grammar (needed once one is added); ``prefill_graph_sizes``:
-        the token buckets of one-sequence prefill graphs (none: prefill eagerly)."""
+        the token buckets of one-sequence prefill graphs (none: prefill eagerly); ``mirror``: tensor-parallel
+        workers told of every forward pass and logits computation, to run theirs on their shards."""
+        if mirror is not None and (graph_sizes or prefill_graph_sizes):
+            raise ValueError(
+                "tensor-parallel steps run eagerly: CUDA graphs are not captured across ranks yet"
+            )
+        self.mirror = mirror
         self.model = model
         self.backend = backend
         self.sampler = sampler
@@ -135,7 +152,7 @@ class ModelRunner:
         result = StepResult(prompt_logprobs=self._prompt_logprobs(chunks, hidden))
         if not sampled_chunks:
             return PendingStep(sampled_chunks, None, result)
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self._compute_logits(hidden[sample_rows])
         return self._sampled_step(sampled_chunks, logits, result)
 
     def _sampled_step(
@@ -153,14 +170,19 @@ class ModelRunner:
         """An eager forward pass over ``chunks`` and the logits of their sampled rows (a draft model's
         step: its proposer samples them itself)."""
         hidden, sample_rows = self._forward(chunks)
-        return self.model.compute_logits(hidden[sample_rows])
+        return self._compute_logits(hidden[sample_rows])
 
     def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden states of an eager step over ``chunks``, and the rows whose logits it needs."""
         arrays = build_step_arrays(chunks, self.kv.manager)
         dev = pack_to_device(arrays, self.device)
-        max_query_len = max(chunk.num_tokens for chunk in chunks)
-        metadata = attention_metadata(dev, max_query_len, max(chunk.end for chunk in chunks))
+        max_query_len, max_seq_len = (
+            max(chunk.num_tokens for chunk in chunks),
+            max(chunk.end for chunk in chunks),
+        )
+        if self.mirror is not None:
+            self.mirror.forward(arrays, max_query_len, max_seq_len)
+        metadata = attention_metadata(dev, max_query_len, max_seq_len)
         with forward_context(ForwardContext(metadata, self.backend, self.kv.layers)):
             hidden = self.model(dev["input_ids"], dev["positions"])
         return hidden, dev["sample_rows"]
@@ -170,8 +192,14 @@ class ModelRunner:
         hidden = self.prefill_graphs.run(chunk)
         if not chunk.samples_next_token:
             return PendingStep([], None, StepResult())
-        logits = self.model.compute_logits(hidden[-chunk.num_sampled_rows :])  # with drafts: 1 + k rows
+        logits = self._compute_logits(hidden[-chunk.num_sampled_rows :])  # with drafts: 1 + k rows
         return self._sampled_step([chunk], logits, StepResult())
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the full vocabulary (with workers, each computes its slice of them too)."""
+        if self.mirror is not None:
+            self.mirror.logits(hidden)
+        return self.model.compute_logits(hidden)
 
     def can_start_next_step(self, step: PendingStep) -> bool:
         """Whether the decode step after ``step`` can be enqueued before ``step`` is read: ``step`` ran
@@ -219,7 +247,7 @@ class ModelRunner:
             last_predicting = min(chunk.end, seq.num_prompt_tokens - 1)  # positions predicting a prompt token
             if num_top is not None and seq.num_prompt_logprobs == chunk.start < last_predicting:
                 count = last_predicting - chunk.start
-                logits = self.model.compute_logits(hidden[row : row + count])
+                logits = self._compute_logits(hidden[row : row + count])
                 targets = seq.prompt_token_ids[chunk.start : last_predicting + 1]
                 found[seq] = compute_prompt_logprobs(logits, targets, num_top).to_rows(num_top)
             row += chunk.num_tokens

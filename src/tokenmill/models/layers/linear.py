@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed import all_reduce_sum, divide, tp_rank, tp_world_size
+from tokenmill.distributed import all_reduce_sum, divide, kv_head_shard, tp_rank, tp_world_size
 from tokenmill.kernels.options import GEMV_MAX_ROWS, KernelOptions
 from tokenmill.models.layers.cpu_linear import packed_linear, shared_packed_weight, supports_prepacking
 from tokenmill.models.layers.fusable import FusableLayer
@@ -168,20 +168,37 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         target.copy_(loaded.narrow(0, self.tp_rank * local, local))
 
 
-class QKVParallelLinear(MergedColumnParallelLinear):
-    """Query, key and value projections fused; split by heads across ranks."""
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections fused; split by heads across ranks. With fewer KV heads than
+    ranks each rank holds the one KV head its query heads read (:func:`kv_head_shard`)."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
     ):
+        self.tp_size, self.tp_rank = tp_world_size(), tp_rank()
         self.head_dim = head_dim
-        super().__init__(
-            hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias
-        )
+        local_q = divide(num_heads, self.tp_size, "attention heads")
+        local_kv, first_kv = kv_head_shard(num_kv_heads, self.tp_size, self.tp_rank)
+        self.full_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.local_sizes = [local_q * head_dim, local_kv * head_dim, local_kv * head_dim]
+        q_start, kv_start = self.tp_rank * local_q * head_dim, first_kv * head_dim
+        self.source_starts = [q_start, kv_start, kv_start]  # this rank's first row of each checkpoint part
+        LinearBase.__init__(self, hidden_size, sum(self.local_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        index = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id) if isinstance(shard_id, str) else shard_id
-        super().weight_loader(param, loaded, index)
+        if shard_id is None:  # the checkpoint already stores the fused tensor
+            if loaded.shape[0] != sum(self.full_sizes):
+                raise ValueError(f"has shape {tuple(loaded.shape)}; expected {sum(self.full_sizes)} rows")
+            for index, part in enumerate(loaded.split(self.full_sizes, dim=0)):
+                self.weight_loader(param, part, index)
+            return
+        index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
+        expected = (self.full_sizes[index], *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {expected}")
+        size = self.local_sizes[index]
+        target = param.data.narrow(0, sum(self.local_sizes[:index]), size)
+        target.copy_(loaded.narrow(0, self.source_starts[index], size))
 
 
 class RowParallelLinear(LinearBase):
