@@ -10,16 +10,14 @@ scheduler what to run, has the runner execute it, and hands the result back to t
 import collections
 import contextlib
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from tokenmill.attention.selector import create_attention_backend
 from tokenmill.config import EngineConfig
-from tokenmill.engine.hardware_defaults import Platform, kernel_options_for, resolve_config, resolve_device
+from tokenmill.engine.hardware_defaults import Platform, resolve_config, resolve_device
 from tokenmill.engine.input_checks import (
     InvalidRequestError,
     check_priority,
@@ -27,20 +25,14 @@ from tokenmill.engine.input_checks import (
     prompt_token_ids,
     resolve_max_tokens,
 )
+from tokenmill.engine.runner_setup import build_runner
 from tokenmill.engine.startup_report import StartupTimes, describe_startup
 from tokenmill.engine.stop_strings import StopStringDetokenizer
 from tokenmill.engine.warm_start import WarmStartReport, warm_up_waves
-from tokenmill.kernels.options import resolve_kernel_toggle
 from tokenmill.loading import LoadedModel, load_model
-from tokenmill.models import CausalLM
 from tokenmill.outputs import RequestDelta, RowLogprobs
-from tokenmill.parallel.engine_setup import eager_for_tensor_parallel, per_rank_model_config, start_workers
-from tokenmill.runner.cuda_graphs import cuda_graph_sizes
-from tokenmill.runner.kv_cache import KVCache, create_kv_cache
-from tokenmill.runner.memory_profile import profile_forward
-from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.runner.prefill_graphs import prefill_graph_sizes
-from tokenmill.runner.sampler import Sampler
+from tokenmill.parallel.engine_setup import eager_for_tensor_parallel, start_workers
+from tokenmill.runner.kv_cache import KVCache
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.output import SchedulerStats
 from tokenmill.scheduler.scheduler import Scheduler
@@ -102,7 +94,15 @@ class LLMEngine:
             sorted(self.eos_token_ids),
             self.device,
         )
-        self.runner = self._build_runner()
+        self.runner, self.kernel_options = build_runner(
+            self.config,
+            self.loaded,
+            self.model_config,
+            self.max_model_len,
+            self.device,
+            self.structured_outputs,
+            self.workers,
+        )
         self.kv_cache: KVCache = self.runner.kv
         self.proposer = create_proposer(
             self.config, self.loaded, self.max_model_len, self.kernel_options, draft
@@ -115,42 +115,6 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.startup_seconds = time.perf_counter() - started
         logger.info(self.describe_startup())
-
-    def _build_runner(self) -> ModelRunner:
-        """Model (a copy of the loaded one with its kernels bound), attention backend and sampler, then
-        the KV cache sized around their activations, then the runner over all of them."""
-        kernels, device = self.config.kernels, self.device
-        options = kernel_options_for(self.config, device)
-        self.kernel_options = options
-        model: CausalLM = self.loaded.model.with_kernels(options)
-        backend = create_attention_backend(kernels, device, options.pdl)
-        sampler = Sampler(fused=resolve_kernel_toggle("sampling", kernels.fused_sampling, device))
-        dtype = next(model.parameters()).dtype
-        profile = functools.partial(profile_forward, model, backend, sampler)
-        if self.workers is None:
-            kv_cache = create_kv_cache(
-                self.config, self.model_config, self.max_model_len, device, dtype, profile
-            )
-        else:
-            world = self.workers.world_size
-            kv_config = per_rank_model_config(self.model_config, world)
-            kv_cache = create_kv_cache(self.config, kv_config, self.max_model_len, device, dtype)
-            self.workers.sender.setup(kv_cache.pool_tokens // kv_cache.manager.block_size, self.max_model_len)
-        graphs = self.config.graphs
-        return ModelRunner(
-            model,
-            backend,
-            sampler,
-            kv_cache,
-            self.max_model_len,
-            graph_sizes=cuda_graph_sizes(self.config, device),
-            prefill_graph_sizes=prefill_graph_sizes(self.config, device, self.max_model_len),
-            logits_in_graph=graphs.logits,
-            # verification steps run eagerly, so no decode step is started ahead while speculating
-            overlap=bool(graphs.overlap_decode) and self.config.speculative.method is None,
-            structured=self.structured_outputs,
-            mirror=self.workers.sender if self.workers is not None else None,
-        )
 
     def _parallel_guard(self, what: str) -> contextlib.AbstractContextManager[None]:
         """With worker processes: a failure stops them all and names a rank that died."""
