@@ -297,5 +297,5 @@ def _our_tensor_for(
         return param, transposed
     fused = ours.get_submodule(target.rsplit(".", 1)[0])
     index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else int(shard_id)
-    sizes: list[int] = list(fused.output_sizes)  # type: ignore[arg-type]
+    sizes: list[int] = list(fused.local_sizes)  # type: ignore[arg-type]
     return param.narrow(0, sum(sizes[:index]), sizes[index]), transposed

@@ -150,6 +150,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = False) -> None:
         self.output_sizes = list(output_sizes)
         super().__init__(in_features, sum(output_sizes), bias)
+        self.local_sizes = [size // self.tp_size for size in self.output_sizes]  # the rows this rank holds
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         if shard_id is None:  # the checkpoint already stores the fused tensor
