@@ -2,9 +2,6 @@
 checked against a naive computation (tokens a recomputing engine must process, KV bytes of a slab or a
 block, the batch at which each layout runs out), and the whole command writes its report and plot."""
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -12,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from cli_helpers import run_cli
 from engine_helpers import in_thread
 from tokenmill.benchmarks.report import pyplot
 from tokenmill.benchmarks.seeds import command
@@ -32,7 +30,6 @@ from tokenmill.benchmarks.seeds.sizes import PRESETS, SeedSizes, check_sizes
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 N_LAYER, N_EMBD = 3, 64  # tiny_models' GPT-2
 CONTEXT = 256
 TINY = SeedSizes(
@@ -214,29 +211,9 @@ def test_bad_flags_answer_without_importing_torch() -> None:
         (["--users", "0"], "at least 1"),
         (["--paged-pool-gib", "x"], "expected a number"),
     ):
-        result = _run_cli("bench", "seeds", *argv)
+        result = run_cli("bench", "seeds", *argv)
         assert result.returncode == 2 and message in result.stderr, result.stderr
         assert "imported: nothing heavy" in result.stderr and "Traceback" not in result.stderr
-
-
-_RUN_MAIN = """
-import sys
-from tokenmill.cli import main
-try:
-    code = main(sys.argv[1:])
-except SystemExit as exit_info:
-    code = exit_info.code
-heavy = sorted(name for name in ("torch", "transformers", "numpy") if name in sys.modules)
-print("imported:", ",".join(heavy) or "nothing heavy", file=sys.stderr)
-sys.exit(code)
-"""
-
-
-def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    return subprocess.run(
-        [sys.executable, "-c", _RUN_MAIN, *argv], capture_output=True, text=True, env=env, timeout=120
-    )
 
 
 @pytest.mark.slow

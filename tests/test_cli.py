@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from cli_helpers import SRC, run_cli
 from engine_helpers import llm_for
 from test_tokenizer import build_llama_style_hf_tokenizer
 from tokenmill import LLM
@@ -81,30 +82,6 @@ def test_a_bad_engine_flag_value_is_refused_by_the_parser(capsys: Any) -> None:
 
 # -- flags are checked before torch is imported ------------------------------------------------------------
 
-_RUN_MAIN = """
-import sys
-from tokenmill.cli import main
-try:
-    code = main(sys.argv[1:])
-except SystemExit as exit_info:
-    code = exit_info.code
-heavy = sorted(name for name in ("torch", "transformers", "numpy") if name in sys.modules)
-print("imported:", ",".join(heavy) or "nothing heavy", file=sys.stderr)
-sys.exit(code)
-"""
-
-
-def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    """``tokenmill ARGV`` in a fresh interpreter, which reports on stderr the heavy modules it imported."""
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    env.pop("TRITON_INTERPRET", None)  # conftest sets it; a user's shell does not
-    return subprocess.run(
-        [sys.executable, "-c", _RUN_MAIN, *argv], capture_output=True, text=True, env=env, timeout=120
-    )
-
-
-SRC = Path(__file__).resolve().parents[1] / "src"
-
 
 @pytest.mark.parametrize(
     ("argv", "message"),
@@ -126,7 +103,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
     ],
 )
 def test_help_and_bad_flags_answer_without_importing_torch(argv: list[str], message: str | None) -> None:
-    result = _run_cli(*argv)
+    result = run_cli(*argv)
     assert "imported: nothing heavy" in result.stderr, result.stderr
     if message is None:
         assert result.returncode == 0 and result.stdout.startswith("usage: tokenmill")
@@ -138,7 +115,7 @@ def test_help_and_bad_flags_answer_without_importing_torch(argv: list[str], mess
 def test_triton_without_cuda_is_refused_on_the_auto_device_too() -> None:
     if nvidia_driver_present():
         pytest.skip("this machine has an NVIDIA driver: the device is decided by torch")
-    result = _run_cli("generate", "hi", "--attention-backend", "triton")
+    result = run_cli("generate", "hi", "--attention-backend", "triton")
     assert result.returncode == EXIT_BAD_INPUT and "no CUDA device" in result.stderr
 
 
