@@ -173,6 +173,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="tokens per streamed chunk after the first (default 1: every token as it comes)",
     )
+    group.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine in its own process, so its steps never wait for the HTTP side's GIL "
+        "(default: on; --no-engine-process steps it in a thread of the server's process)",
+    )
     levels = ["critical", "error", "warning", "info", "debug"]
     group.add_argument("--log-level", default="info", choices=levels, help="uvicorn's (default: info)")
 

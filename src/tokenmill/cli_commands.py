@@ -69,9 +69,9 @@ def run_chat(config: EngineConfig, params: SamplingParams, system: str | None) -
 
 
 def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    from tokenmill.server import ServerSettings, create_app, default_served_model_name, serve
+    from tokenmill.server import EngineClient, ServerSettings, create_app, default_served_model_name, serve
 
-    engine = LLMEngine(config)
+    engine = EngineClient.launch(config) if args.engine_process else LLMEngine(config)
     settings = ServerSettings(
         served_model_name=args.served_model_name or default_served_model_name(engine),
         api_key=args.api_key or None,
