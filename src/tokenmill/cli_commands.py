@@ -81,5 +81,8 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     )
     url = f"http://{args.host}:{args.port}"
     print(f"tokenmill: serving '{settings.served_model_name}' on {url}", file=sys.stderr)
-    serve(create_app(engine, settings), args.host, args.port, args.log_level)
+    died = serve(create_app(engine, settings), args.host, args.port, args.log_level)
+    if died is not None:
+        print(f"tokenmill: error: the engine died, the server stopped: {died}", file=sys.stderr)
+        return 1
     return 0

@@ -41,6 +41,7 @@ def default_served_model_name(engine: Engine) -> str:
 
 # Everything that uses the model needs the key, checked by RequestGate before the body is read;
 # /health and /metrics stay open for probes and scrapers.
+_ENGINE_WATCH_S = 0.5  # how often `serve` checks that its engine is alive
 _protected = APIRouter()
 _open = APIRouter()
 
@@ -141,9 +142,27 @@ def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvico
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run the server in the foreground until interrupted."""
-    uvicorn.Server(_uvicorn_config(app, host, port, log_level)).run()
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> str | None:
+    """Run the server in the foreground until interrupted, or until its engine dies (a killed engine
+    process, a lost tensor-parallel rank): then the requests in flight are answered with the reason, the
+    server shuts down and the reason is returned (None after a normal stop)."""
+    server = uvicorn.Server(_uvicorn_config(app, host, port, log_level))
+    engine_loop: Any = app.state.context.engine_loop
+    stopped, died = threading.Event(), []
+
+    def watch_engine() -> None:
+        while not stopped.wait(_ENGINE_WATCH_S):
+            if server.started and not engine_loop.is_healthy and not server.should_exit:
+                died.append(repr(engine_loop.failure) if engine_loop.failure else "the engine loop stopped")
+                server.should_exit = True
+                return
+
+    threading.Thread(target=watch_engine, name="tokenmill-engine-watch", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        stopped.set()
+    return died[0] if died else None
 
 
 class ServerThread:

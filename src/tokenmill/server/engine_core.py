@@ -19,6 +19,7 @@ from http import HTTPStatus
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.errors import TokenmillError
 from tokenmill.outputs import RequestDelta
+from tokenmill.parallel.launcher import TensorParallelError
 from tokenmill.server.engine_messages import Accepted, EngineFacts, Failed, PromptSpec
 from tokenmill.server.metrics import EngineStats
 from tokenmill.server.request_timeline import RequestTimeline, StepMetrics, StepTokenCounter
@@ -102,6 +103,8 @@ class EngineCore:
         counter = StepTokenCounter(seq for tracked in self._tracked.values() for seq in tracked.timeline.seqs)
         try:
             deltas = self.engine.step()
+        except TensorParallelError:
+            raise  # a rank is gone: no later step can run (the engine process reports it and exits)
         except Exception as exc:
             logger.exception("an engine step failed; failing the requests in flight")
             return self._fail_in_flight(f"the engine failed while generating: {exc!r}")

@@ -64,6 +64,7 @@ def run_engine_process(config: EngineConfig, commands: Connection, outputs: Conn
     except BaseException as exc:
         logger.exception("the engine process's loop died")
         outputs.send(EngineCrashed(f"the engine loop died: {exc!r}"))
+        raise SystemExit(1) from None  # after the finally below: a non-zero exit code for the parent
     finally:
         engine.shutdown()
 
