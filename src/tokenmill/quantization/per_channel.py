@@ -1,0 +1,146 @@
+"""Per-channel 8-bit weights: int8 (symmetric) and fp8 e4m3, one float32 scale per output row.
+
+The layout is the GPU kernels' contract: ``layer.weight`` ``[out_local, in_local]`` (int8 or
+float8_e4m3fn, row-major), ``layer.weight_scale`` float32 ``[out_local]``, and ``weight.float() *
+weight_scale[:, None]`` is the weight. Float checkpoints (and dummy weights) are quantized as each tensor
+is stored, shard by shard, so the float model never exists whole; the scale is then derived state (a
+buffer). A pre-quantized checkpoint (compressed-tensors int8, ``weight_scale`` ``[out, 1]``) publishes the
+scale, which is then a parameter loaded like the weight.
+
+PyTorch paths: int8 on CPU through ``aten._weight_int8pack_mm`` (weight-only, the int8 weight read by the
+kernel), elsewhere and for fp8 the weight dequantized to the activation dtype and ``F.linear`` (a correct
+reference, not a fast path). With ``dynamic_activations`` the input is first rounded per token as a W8A8
+GEMM would (emulation, for measuring accuracy).
+"""
+
+from abc import abstractmethod
+from functools import partial
+from typing import ClassVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.kernels.options import KernelOptions
+from tokenmill.quantization.method import (
+    LinearMethod,
+    MatmulPath,
+    ProjectionLayer,
+    WeightLoader,
+    add_parameter,
+    random_row_chunks,
+)
+from tokenmill.quantization.rounding import (
+    FP8_DTYPE,
+    dequantize_per_channel,
+    fake_quantize_per_token,
+    quantize_fp8_per_channel,
+    quantize_int8_per_channel,
+)
+from tokenmill.quantization.shards import DENSE, PER_ROW, RowShard
+
+
+def has_int8pack_mm() -> bool:
+    """Whether this torch has the CPU int8 weight-only GEMM (``aten._weight_int8pack_mm``)."""
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def int8pack_linear(layer: ProjectionLayer, x: torch.Tensor) -> torch.Tensor:
+    """``x W^T + b`` with int8 ``W`` read by ATen's weight-only kernel (scales in the input's dtype)."""
+    weight: torch.Tensor = layer.weight
+    scale: torch.Tensor = layer.weight_scale  # type: ignore[attr-defined]
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.aten._weight_int8pack_mm(rows, weight, scale.to(x.dtype))
+    bias = layer.local_bias()
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def dequantized_linear(method: LinearMethod, layer: ProjectionLayer, x: torch.Tensor) -> torch.Tensor:
+    """The reference: the weight dequantized to ``x``'s dtype, then ``F.linear``."""
+    return F.linear(x, method.dequantized_weight(layer, x.dtype), layer.local_bias())
+
+
+class PerChannelLinearMethod(LinearMethod):
+    """8-bit weights with one scale per output row; subclasses name the dtype and its rounding."""
+
+    weight_dtype: ClassVar[torch.dtype]
+
+    def __init__(self, prequantized: bool = False, dynamic_activations: bool = False) -> None:
+        self.prequantized = prequantized  # the checkpoint publishes weight and weight_scale
+        self.dynamic_activations = dynamic_activations  # round inputs per token first (W8A8 emulation)
+
+    def create_weights(self, layer: nn.Module, out_local: int, in_local: int, loader: WeightLoader) -> None:
+        weight = torch.empty(out_local, in_local, dtype=self.weight_dtype)
+        add_parameter(layer, "weight", weight, loader, DENSE)
+        scale = torch.ones(out_local, dtype=torch.float32)
+        if self.prequantized:
+            add_parameter(layer, "weight_scale", scale, loader, PER_ROW)
+        else:
+            layer.register_buffer("weight_scale", scale)
+
+    def load(self, layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: RowShard) -> None:
+        if param is not layer.weight:
+            return super().load(layer, param, loaded, shard)
+        if self.prequantized:
+            if loaded.dtype != self.weight_dtype:
+                raise ValueError(f"is {loaded.dtype}, but the checkpoint's format stores {self.weight_dtype}")
+            return super().load(layer, param, loaded, shard)
+        if not loaded.is_floating_point() or loaded.element_size() == 1:
+            raise ValueError(f"is {loaded.dtype}: quantizing at load takes float weights")
+        piece = DENSE.select(param, loaded, shard).to(param.device)
+        self.store_rows(layer, shard.target, piece)
+
+    def store_rows(self, layer: nn.Module, first: int, rows: torch.Tensor) -> None:
+        """Quantize float ``rows`` and store them (and their scales) from row ``first`` on."""
+        quantized, scale = self.quantize(rows)
+        weight, weight_scale = cast(torch.Tensor, layer.weight), cast(torch.Tensor, layer.weight_scale)
+        weight.data.narrow(0, first, rows.shape[0]).copy_(quantized)
+        weight_scale.data.narrow(0, first, rows.shape[0]).copy_(scale)
+
+    @abstractmethod
+    def quantize(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(8-bit rows, float32 scale per row) for float ``rows``."""
+
+    def matmul_path(self, layer: ProjectionLayer, options: KernelOptions) -> MatmulPath:
+        if self.dynamic_activations:
+            return partial(self.fake_w8a8_linear, layer)
+        return partial(dequantized_linear, self, layer)
+
+    def fake_w8a8_linear(self, layer: ProjectionLayer, x: torch.Tensor) -> torch.Tensor:
+        """W8A8 emulated: the input rounded per token to the weight's format, then the reference."""
+        return dequantized_linear(self, layer, fake_quantize_per_token(x, self.weight_dtype))
+
+    def dequantized_weight(self, layer: ProjectionLayer, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_per_channel(layer.weight, layer.weight_scale, dtype)  # type: ignore[attr-defined]
+
+    def init_dummy(self, layer: ProjectionLayer, generator: torch.Generator, std: float) -> None:
+        for first, rows in random_row_chunks(layer.weight, generator, std):
+            self.store_rows(layer, first, rows)  # type: ignore[arg-type]
+
+
+class Int8LinearMethod(PerChannelLinearMethod):
+    """Symmetric per-channel int8 (``scale = amax / 127``)."""
+
+    name = "int8"
+    weight_dtype = torch.int8
+
+    def quantize(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int8_per_channel(rows)
+
+    def matmul_path(self, layer: ProjectionLayer, options: KernelOptions) -> MatmulPath:
+        cpu = layer.weight.device.type == "cpu"
+        if cpu and has_int8pack_mm() and not self.dynamic_activations:
+            return partial(int8pack_linear, layer)
+        return super().matmul_path(layer, options)
+
+
+class Fp8LinearMethod(PerChannelLinearMethod):
+    """e4m3 with per-channel scales (``scale = amax / 448``)."""
+
+    name = "fp8"
+    weight_dtype = FP8_DTYPE
+
+    def quantize(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_fp8_per_channel(rows)
