@@ -4,12 +4,14 @@ what pre-quantized checkpoints stand for."""
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.pytorch_utils import Conv1D
 
 from quant_reference import naive_fp8, naive_int8, published_config, write_prequantized
@@ -203,3 +205,24 @@ def test_dummy_block_fp8_config_loads(tmp_path: Path) -> None:
     model = load_model(tmp_path / "config.json", load_format="dummy").model
     assert model.model.layers[0].mlp.down_proj.weight_scale_inv.shape == (2, 4)  # [64/32, 128/32]
     assert torch.isfinite(greedy_generate(model, [1, 2, 3], 1).prompt_logits).all()
+
+
+def test_quantize_at_load_peak_memory_stays_near_the_quantized_size(tmp_path: Path) -> None:
+    """Each tensor is quantized as it is stored: the peak is the quantized model plus about one float
+    tensor in flight, far below the float model (which a load-then-quantize would hold whole)."""
+    config = LlamaConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).save_pretrained(tmp_path)
+    float_bytes = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    largest_tensor = 2048 * 512 * 4
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.benchmarks.load_memory", "--model", str(tmp_path),
+         "--quantization", "int8", "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    report = json.loads(result.stdout)
+    print(f"peak {report['peak_bytes'] / 2**20:.1f} MiB, quantized {report['param_bytes'] / 2**20:.1f} MiB")
+    assert report["param_bytes"] < 0.35 * float_bytes  # int8 layers, float32 embedding
+    assert report["peak_bytes"] < 1.1 * report["param_bytes"] + 3 * largest_tensor

@@ -120,6 +120,15 @@ def test_greedy_tokens_match_one_rank(folders: dict[str, Path], name: str, tp: i
     assert _greedy(model, tp) == reference
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+def test_int8_quantized_ranks_match_one_rank(folders: dict[str, Path], name: str) -> None:
+    """Each rank quantizes its shard as it loads (a row-parallel layer its column slice, with scales of its
+    own); llama3's untied LM head is quantized and split over the vocabulary, qwen2 adds q/k/v biases."""
+    model = str(folders[name])
+    reference = _greedy(model, 1, quantization="int8")
+    assert _greedy(model, 2, quantization="int8") == reference
+
+
 def test_two_ranks_match_transformers(folders: dict[str, Path]) -> None:
     tokens = _greedy(str(folders["llama3"]), 2)
     for request_id, prompt in PROMPTS.items():

@@ -141,6 +141,7 @@ def add_load_memory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=CHOICES["dtype"])
     parser.add_argument("--load-format", default="auto", choices=CHOICES["load_format"])
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "fp8"))
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

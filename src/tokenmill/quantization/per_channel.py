@@ -4,8 +4,9 @@ The layout is the GPU kernels' contract: ``layer.weight`` ``[out_local, in_local
 float8_e4m3fn, row-major), ``layer.weight_scale`` float32 ``[out_local]``, and ``weight.float() *
 weight_scale[:, None]`` is the weight. Float checkpoints (and dummy weights) are quantized as each tensor
 is stored, shard by shard, so the float model never exists whole; the scale is then derived state (a
-buffer). A pre-quantized checkpoint (compressed-tensors int8, ``weight_scale`` ``[out, 1]``) publishes the
-scale, which is then a parameter loaded like the weight.
+buffer). A row-parallel rank keeps a column slice but scales it by its whole row (read from the tensor it
+is handed), so every rank count stores the same weights. A pre-quantized checkpoint (compressed-tensors
+int8, ``weight_scale`` ``[out, 1]``) publishes the scale, which is then a parameter loaded like the weight.
 
 PyTorch paths: int8 on CPU through ``aten._weight_int8pack_mm`` (weight-only, the int8 weight read by the
 kernel), elsewhere and for fp8 the weight dequantized to the activation dtype and ``F.linear`` (a correct
@@ -32,10 +33,13 @@ from tokenmill.quantization.method import (
 )
 from tokenmill.quantization.rounding import (
     FP8_DTYPE,
+    FP8_MAX,
+    INT8_MAX,
     dequantize_per_channel,
     fake_quantize_per_token,
     quantize_fp8_per_channel,
     quantize_int8_per_channel,
+    row_amax,
 )
 from tokenmill.quantization.shards import DENSE, PER_ROW, RowShard
 
@@ -66,6 +70,7 @@ class PerChannelLinearMethod(LinearMethod):
     """8-bit weights with one scale per output row; subclasses name the dtype and its rounding."""
 
     weight_dtype: ClassVar[torch.dtype]
+    max_value: ClassVar[float]  # the format's largest value: scale = amax(|row|) / max_value
 
     def __init__(self, prequantized: bool = False, dynamic_activations: bool = False) -> None:
         self.prequantized = prequantized  # the checkpoint publishes weight and weight_scale
@@ -90,18 +95,26 @@ class PerChannelLinearMethod(LinearMethod):
         if not loaded.is_floating_point() or loaded.element_size() == 1:
             raise ValueError(f"is {loaded.dtype}: quantizing at load takes float weights")
         piece = DENSE.select(param, loaded, shard).to(param.device)
-        self.store_rows(layer, shard.target, piece)
+        scale = None  # a column slice (row-parallel) takes its whole row's scale: ranks agree with one rank
+        if shard.columns is not None and piece.shape[1] != loaded.shape[1]:
+            scale = row_amax(loaded.narrow(0, shard.source, shard.size).to(param.device)) / self.max_value
+        self.store_rows(layer, shard.target, piece, scale)
 
-    def store_rows(self, layer: nn.Module, first: int, rows: torch.Tensor) -> None:
-        """Quantize float ``rows`` and store them (and their scales) from row ``first`` on."""
-        quantized, scale = self.quantize(rows)
+    def store_rows(
+        self, layer: nn.Module, first: int, rows: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> None:
+        """Quantize float ``rows`` (with ``scale``, or their own) and store them and their scales from row
+        ``first`` on."""
+        quantized, scale = self.quantize(rows, scale)
         weight, weight_scale = cast(torch.Tensor, layer.weight), cast(torch.Tensor, layer.weight_scale)
         weight.data.narrow(0, first, rows.shape[0]).copy_(quantized)
         weight_scale.data.narrow(0, first, rows.shape[0]).copy_(scale)
 
     @abstractmethod
-    def quantize(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(8-bit rows, float32 scale per row) for float ``rows``."""
+    def quantize(
+        self, rows: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(8-bit rows, float32 scale per row) for float ``rows``, with ``scale`` or their own."""
 
     def matmul_path(self, layer: ProjectionLayer, options: KernelOptions) -> MatmulPath:
         if self.dynamic_activations:
@@ -125,9 +138,12 @@ class Int8LinearMethod(PerChannelLinearMethod):
 
     name = "int8"
     weight_dtype = torch.int8
+    max_value = INT8_MAX
 
-    def quantize(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_int8_per_channel(rows)
+    def quantize(
+        self, rows: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int8_per_channel(rows, scale)
 
     def matmul_path(self, layer: ProjectionLayer, options: KernelOptions) -> MatmulPath:
         cpu = layer.weight.device.type == "cpu"
@@ -141,6 +157,9 @@ class Fp8LinearMethod(PerChannelLinearMethod):
 
     name = "fp8"
     weight_dtype = FP8_DTYPE
+    max_value = FP8_MAX
 
-    def quantize(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_fp8_per_channel(rows)
+    def quantize(
+        self, rows: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_fp8_per_channel(rows, scale)

@@ -14,22 +14,27 @@ INT8_MAX = 127
 _TINY = 1e-12  # an all-zero row gets a tiny scale (and zero weights) rather than a division by zero
 
 
-def _row_amax(rows: torch.Tensor) -> torch.Tensor:
+def row_amax(rows: torch.Tensor) -> torch.Tensor:
     """``amax(|row|)`` per row in float32, in one pass (no ``abs()`` temporary), never zero."""
     return torch.linalg.vector_norm(rows, ord=float("inf"), dim=-1, dtype=torch.float32).clamp_(min=_TINY)
 
 
-def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8: ``scale = amax(|row|) / 127``, weights rounded to nearest (ties to even). In-place
-    steps on one float32 temporary: quantizing streams through large weights at load."""
-    scale = _row_amax(weight) / INT8_MAX
+def quantize_int8_per_channel(
+    weight: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8: ``scale = amax(|row|) / 127`` (or the given one: a column slice takes its whole
+    row's), weights rounded to nearest (ties to even), in place on one float32 temporary."""
+    scale = row_amax(weight) / INT8_MAX if scale is None else scale
     scaled = weight / scale[:, None]  # float32 (a bf16 / fp16 weight is promoted, not copied first)
-    return scaled.round_().to(torch.int8), scale  # |scaled| <= 127 (up to rounding): no clamp needed
+    return scaled.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
-def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 with ``scale = amax(|row|) / 448``: each row's largest weight lands on fp8's largest value."""
-    scale = _row_amax(weight) / FP8_MAX
+def quantize_fp8_per_channel(
+    weight: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with ``scale = amax(|row|) / 448`` (or the given one): each row's largest weight lands on
+    fp8's largest value."""
+    scale = row_amax(weight) / FP8_MAX if scale is None else scale
     scaled = weight / scale[:, None]
     return scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
