@@ -102,13 +102,15 @@ def test_tied_lm_head_stays_float_and_untied_is_quantized(folders: dict[str, Pat
     assert untied.model.embed_tokens.weight.dtype == torch.float32
 
 
-def test_int8_cpu_path_is_the_weight_only_kernel(folders: dict[str, Path]) -> None:
+def test_int8_cpu_paths_equal_the_dequantized_weight(folders: dict[str, Path]) -> None:
+    """One row through ATen's int8 weight-only kernel, more through the dequantized weight."""
     layer = load_model(folders["llama3"], quantization="int8").model.model.layers[0].mlp.down_proj
     assert isinstance(layer.quant_method, Int8LinearMethod)
-    x = torch.randn(5, layer.in_local)
-    expected = x @ (layer.weight.float() * layer.weight_scale[:, None]).T
-    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
-    assert "int8pack" in getattr(layer._matmul, "func", layer._matmul).__name__
+    assert layer._matmul.func.__name__ == "int8_cpu_linear"
+    for rows in (1, 5):
+        x = torch.randn(rows, layer.in_local)
+        expected = x @ (layer.weight.float() * layer.weight_scale[:, None]).T
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_engine_greedy_tokens_equal_the_reference_loop(folders: dict[str, Path]) -> None:

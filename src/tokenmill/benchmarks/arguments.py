@@ -11,6 +11,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from tokenmill.benchmarks.accuracy.arguments import add_accuracy_arguments
 from tokenmill.benchmarks.ladder.rungs import RUNGS
 from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
 from tokenmill.benchmarks.scenarios.workloads import WORKLOADS
@@ -391,4 +392,5 @@ BENCHMARK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "structured": add_structured_arguments,
     "speculative": add_speculative_arguments,
     "seeds": add_seeds_arguments,
+    "accuracy": add_accuracy_arguments,
 }
