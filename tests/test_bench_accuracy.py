@@ -52,7 +52,7 @@ def test_greedy_comparison_counts_and_first_divergence(folder: Path) -> None:
     model = load_model(folder).model
     reference = greedy_continuations(model, [[5, 6, 7], [9]], 6)
     assert compare_greedy(reference, reference).identical == 2
-    changed = [reference[0][:3] + [(reference[0][3] + 1) % VOCAB] + reference[0][4:], reference[1]]
+    changed = [[*reference[0][:3], (reference[0][3] + 1) % VOCAB, *reference[0][4:]], reference[1]]
     compared = compare_greedy(changed, reference)
     assert (compared.identical, compared.matching_tokens, compared.total_tokens) == (1, 11, 12)
     assert compared.first_divergence == [3, None]

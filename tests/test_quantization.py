@@ -228,3 +228,17 @@ def test_quantize_at_load_peak_memory_stays_near_the_quantized_size(tmp_path: Pa
     print(f"peak {report['peak_bytes'] / 2**20:.1f} MiB, quantized {report['param_bytes'] / 2**20:.1f} MiB")
     assert report["param_bytes"] < 0.35 * float_bytes  # int8 layers, float32 embedding
     assert report["peak_bytes"] < 1.1 * report["param_bytes"] + 3 * largest_tensor
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_bf16_checkpoint_quantizes_from_its_own_values(tmp_path: Path, dtype: str) -> None:
+    """A bf16 checkpoint (as most are published) is quantized from its bf16 values, whatever the model's
+    activation dtype; the scales stay float32."""
+    reference = save_tiny_model("qwen2", tmp_path / "float")
+    reference.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    layer = (
+        load_model(tmp_path / "bf16", dtype=dtype, quantization="int8").model.model.layers[1].mlp.down_proj
+    )
+    weight, scale = naive_int8(reference.model.layers[1].mlp.down_proj.weight.data.float())
+    assert torch.equal(layer.weight, weight) and layer.weight_scale.dtype == torch.float32
+    torch.testing.assert_close(layer.weight_scale, scale, rtol=1e-6, atol=0)
