@@ -172,10 +172,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         if shard_id is None:  # the checkpoint already stores the fused tensor: each part in turn
+            full = sum(self.output_sizes)
             for index in range(len(self.output_sizes)):
-                self.store(
-                    param, loaded, self._shard(index, sum(self.output_sizes), sum(self.output_sizes[:index]))
-                )
+                self.store(param, loaded, self._shard(index, full, sum(self.output_sizes[:index])))
             return
         assert isinstance(shard_id, int)
         self.store(param, loaded, self._shard(shard_id, self.output_sizes[shard_id], 0))
@@ -205,10 +204,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         if shard_id is None:  # the checkpoint already stores the fused tensor: each part in turn
+            full = sum(self.full_sizes)
             for index in range(3):
-                self.store(
-                    param, loaded, self._shard(index, sum(self.full_sizes), sum(self.full_sizes[:index]))
-                )
+                self.store(param, loaded, self._shard(index, full, sum(self.full_sizes[:index])))
             return
         index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
         self.store(param, loaded, self._shard(index, self.full_sizes[index], 0))
