@@ -74,9 +74,12 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     hardware = detect_hardware(torch.device(args.device))
     print(f"hardware: {hardware.describe()}", flush=True)
-    sections = [model_section(args, name.strip()) for name in args.models.split(",") if name.strip()]
-    if args.report_dir is not None:
-        save(args.report_dir, hardware, args, sections)
+    sections: list[list[str]] = []
+    for name in (model.strip() for model in args.models.split(",")):
+        if name:
+            sections.append(model_section(args, name))
+        if args.report_dir is not None:  # after each model: a long run's finished models are kept
+            save(args.report_dir, hardware, args, sections)
     return 0
 
 
