@@ -242,3 +242,17 @@ def test_bf16_checkpoint_quantizes_from_its_own_values(tmp_path: Path, dtype: st
     weight, scale = naive_int8(reference.model.layers[1].mlp.down_proj.weight.data.float())
     assert torch.equal(layer.weight, weight) and layer.weight_scale.dtype == torch.float32
     torch.testing.assert_close(layer.weight_scale, scale, rtol=1e-6, atol=0)
+
+
+def test_tensors_of_more_rows_than_a_chunk_quantize_like_whole_ones(tmp_path: Path) -> None:
+    """An LM head of 9000 rows is quantized 4096 rows at a time: the same bytes as all at once."""
+    config = LlamaConfig(
+        vocab_size=9000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    head = load_model(tmp_path).model.lm_head.weight
+    quantized = load_model(tmp_path, quantization="int8").model.lm_head
+    weight, scale = naive_int8(head)
+    assert torch.equal(quantized.weight, weight)
+    torch.testing.assert_close(quantized.weight_scale, scale, rtol=1e-6, atol=0)

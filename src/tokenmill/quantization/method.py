@@ -21,7 +21,9 @@ from tokenmill.quantization.shards import RowShard, layout_of
 
 MatmulPath = Callable[[torch.Tensor], torch.Tensor]
 WeightLoader = Callable[..., None]
-DUMMY_CHUNK_ROWS = 4096  # rows drawn at once for random weights (a multiple of the 128-row blocks)
+# Rows quantized (or drawn at random) at once: bounds the float32 temporaries of quantizing a large tensor
+# (an 8B model's LM head is 128256 rows) to 64 MiB at 4096 columns. A multiple of the 128-row blocks.
+CHUNK_ROWS = 4096
 
 
 class ProjectionLayer(Protocol):
@@ -101,7 +103,7 @@ def random_row_chunks(
     """(first row, float32 rows ~ N(0, std)) covering ``weight``'s rows a chunk at a time, on its device,
     so random quantized weights never need the whole float matrix."""
     rows, cols = weight.shape
-    for start in range(0, rows, DUMMY_CHUNK_ROWS):
-        count = min(DUMMY_CHUNK_ROWS, rows - start)
+    for start in range(0, rows, CHUNK_ROWS):
+        count = min(CHUNK_ROWS, rows - start)
         chunk = torch.empty(count, cols, dtype=torch.float32, device=weight.device)
         yield start, chunk.normal_(0.0, std, generator=generator)

@@ -3,10 +3,11 @@
 The layout is the GPU kernels' contract: ``layer.weight`` ``[out_local, in_local]`` (int8 or
 float8_e4m3fn, row-major), ``layer.weight_scale`` float32 ``[out_local]``, and ``weight.float() *
 weight_scale[:, None]`` is the weight. Float checkpoints (and dummy weights) are quantized as each tensor
-is stored, shard by shard, so the float model never exists whole; the scale is then derived state (a
-buffer). A row-parallel rank keeps a column slice but scales it by its whole row (read from the tensor it
-is handed), so every rank count stores the same weights. A pre-quantized checkpoint (compressed-tensors
-int8, ``weight_scale`` ``[out, 1]``) publishes the scale, which is then a parameter loaded like the weight.
+is stored, shard by shard and 4096 rows at a time, so the float model never exists whole; the scale is
+then derived state (a buffer). A row-parallel rank keeps a column slice but scales it by its whole row
+(read from the tensor it is handed), so every rank count stores the same weights. A pre-quantized
+checkpoint (compressed-tensors int8, ``weight_scale`` ``[out, 1]``) publishes the scale, which is then a
+parameter loaded like the weight.
 
 PyTorch paths: int8 on CPU, one row through ``aten._weight_int8pack_mm`` (weight-only, the int8 weight
 read by the kernel; slower than dequantizing beyond one row, see :func:`int8_cpu_linear`); elsewhere, and
@@ -25,6 +26,7 @@ from torch import nn
 
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.quantization.method import (
+    CHUNK_ROWS,
     LinearMethod,
     MatmulPath,
     ProjectionLayer,
@@ -104,11 +106,16 @@ class PerChannelLinearMethod(LinearMethod):
             return super().load(layer, param, loaded, shard)
         if not loaded.is_floating_point() or loaded.element_size() == 1:
             raise ValueError(f"is {loaded.dtype}: quantizing at load takes float weights")
-        piece = DENSE.select(param, loaded, shard).to(param.device)
-        scale = None  # a column slice (row-parallel) takes its whole row's scale: ranks agree with one rank
-        if shard.columns is not None and piece.shape[1] != loaded.shape[1]:
-            scale = row_amax(loaded.narrow(0, shard.source, shard.size).to(param.device)) / self.max_value
-        self.store_rows(layer, shard.target, piece, scale)
+        piece = DENSE.select(param, loaded, shard)
+        # a column slice (row-parallel) takes its whole row's scale, so ranks store what one rank would
+        whole_rows = loaded.narrow(0, shard.source, shard.size) if piece.shape[1] != loaded.shape[1] else None
+        for start in range(0, piece.shape[0], CHUNK_ROWS):
+            count = min(CHUNK_ROWS, piece.shape[0] - start)
+            scale = None
+            if whole_rows is not None:
+                scale = row_amax(whole_rows.narrow(0, start, count).to(param.device)) / self.max_value
+            rows = piece.narrow(0, start, count).to(param.device)
+            self.store_rows(layer, shard.target + start, rows, scale)
 
     def store_rows(
         self, layer: nn.Module, first: int, rows: torch.Tensor, scale: torch.Tensor | None = None
