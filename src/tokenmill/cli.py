@@ -39,6 +39,10 @@ BENCHMARKS = {
         "speculative decoding off / on: n-gram at batch 1 and 64, a draft model's round cost",
     ),
     "seeds": ("tokenmill.benchmarks.seeds.command", "the seed engines' result tables, on this machine"),
+    "accuracy": (
+        "tokenmill.benchmarks.accuracy.command",
+        "quantized modes against the unquantized model: perplexity, top-1 agreement, greedy tokens",
+    ),
 }
 # The command line's own temperature: milder than SamplingParams' (and OpenAI's) 1.0, for text that reads
 # well in a terminal from a small model; the server and LLM.generate keep 1.0.
