@@ -147,3 +147,40 @@ def test_gemv_converts_every_8bit_value_exactly(weight_dtype: torch.dtype) -> No
     x = torch.ones(1, 1, device=DEVICE, dtype=ACT_DTYPE)
     out = gemv(x, weight, out_dtype=torch.float32, weight_scale=torch.ones(len(values), device=DEVICE))
     assert torch.equal(out.view(-1).cpu(), values.float())
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_a_quantized_model_decodes_through_the_gemv(mode: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Every one-row projection of a quantized tiny Llama (fused norm and activation prologues, the LM
+    head) runs the GEMV on its 8-bit weight, and gives the dequantized reference's logits."""
+    from tiny_models import save_tiny_model
+    from tokenmill.attention import AttentionMetadata, ForwardContext, TorchAttentionBackend, forward_context
+    from tokenmill.kernels import gemv as gemv_module
+    from tokenmill.kernels.options import KernelOptions
+    from tokenmill.loading import load_model
+
+    save_tiny_model("llama3", tmp_path)
+    model = load_model(tmp_path, quantization=mode, device=DEVICE, dtype="float32").model
+    calls: list[bool] = []
+    for name in ("gemv", "rms_norm_gemv", "gated_gemv"):
+        kernel = getattr(gemv_module, name)
+
+        def counting(*args, _kernel=kernel, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(kwargs.get("weight_scale") is not None)
+            return _kernel(*args, **kwargs)
+
+        setattr(gemv_module, name, counting)
+    try:
+        with_gemv = model.with_kernels(KernelOptions(gemv=True))
+    finally:
+        for name in ("gemv", "rms_norm_gemv", "gated_gemv"):
+            setattr(gemv_module, name, getattr(gemv_module, name).__kwdefaults__["_kernel"])
+    tokens, positions = torch.tensor([17], device=DEVICE), torch.tensor([0], device=DEVICE)
+    results = []
+    for configured in (model, with_gemv):
+        metadata = AttentionMetadata.for_prefill([1], DEVICE)
+        with torch.inference_mode(), forward_context(ForwardContext(metadata, TorchAttentionBackend())):
+            results.append(configured.compute_logits(configured(tokens, positions)))
+    num_layers = len(model.model.layers)
+    assert len(calls) == 4 * num_layers + 1 and all(calls)  # qkv, o, gate_up, down per layer; the head
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)

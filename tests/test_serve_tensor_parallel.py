@@ -11,7 +11,7 @@ import openai
 import psutil
 import pytest
 
-from tests.cli_helpers import SRC
+from cli_helpers import SRC
 
 pytestmark = pytest.mark.slow
 

@@ -24,6 +24,7 @@ FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_rotary",
     "fused_activation",
     "fused_gemv",
+    "fused_w8a8",
     "fused_decode_rotary_kv",
     "fused_sampling",
 )
@@ -153,6 +154,10 @@ class KernelConfig:
     # q/k/v and gate/up, and the gated activation before down_proj, fused into their loads; the LM head
     # too, writing float32 logits directly.
     fused_gemv: bool | None = None
+    # Quantized int8 / fp8 weights: projections of more than one row multiply 8-bit activations (quantized
+    # per token in one launch) on the 8-bit tensor cores (torch._scaled_mm / torch._int_mm); off, the
+    # weight is dequantized for F.linear (slow, but weight-only). One-row projections take fused_gemv.
+    fused_w8a8: bool | None = None
     # Triton attention: decode steps rotate q and the new key and store the new K/V inside the decode
     # attention kernel (no rotary and KV-write launches per layer); prefill keeps the separate kernels.
     fused_decode_rotary_kv: bool | None = None

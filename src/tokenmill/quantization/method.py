@@ -53,6 +53,9 @@ class LinearMethod(ABC):
 
     name: ClassVar[str]
     quantized: ClassVar[bool] = True
+    # The layer's float32 scale per output row that the Triton GEMV applies to an 8-bit weight it reads
+    # as stored (tokenmill.kernels.gemv); None: the GEMV cannot read this format.
+    gemv_scale: ClassVar[str | None] = None
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, out_local: int, in_local: int, loader: WeightLoader) -> None:

@@ -17,6 +17,7 @@ GEMM would (emulation, for measuring accuracy).
 """
 
 from abc import abstractmethod
+from collections.abc import Callable
 from functools import partial
 from typing import ClassVar, cast
 
@@ -45,6 +46,8 @@ from tokenmill.quantization.rounding import (
     row_amax,
 )
 from tokenmill.quantization.shards import DENSE, PER_ROW, RowShard
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def has_int8pack_mm() -> bool:
@@ -78,10 +81,29 @@ def dequantized_linear(method: LinearMethod, layer: ProjectionLayer, x: torch.Te
     return F.linear(x, method.dequantized_weight(layer, x.dtype), layer.local_bias())
 
 
+def tensor_cores_take(weight: torch.Tensor) -> bool:
+    """Whether cuBLAS multiplies this 8-bit weight with 8-bit activations: a CUDA device (float8 from
+    compute capability 8.9 on) and both dimensions multiples of 16."""
+    if weight.device.type != "cuda" or weight.shape[0] % 16 or weight.shape[1] % 16:
+        return False
+    return weight.dtype == torch.int8 or torch.cuda.get_device_capability(weight.device) >= (8, 9)
+
+
+def w8a8_linear(
+    method: LinearMethod, layer: ProjectionLayer, kernel: Kernel, x: torch.Tensor
+) -> torch.Tensor:
+    """``kernel`` (``tokenmill.kernels.scaled_matmul``) for half-precision inputs; float32 ones (the
+    benchmarks' correctness check) take the weight-only reference."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return dequantized_linear(method, layer, x)
+    return kernel(x, layer.weight, layer.weight_scale, layer.local_bias())  # type: ignore[attr-defined]
+
+
 class PerChannelLinearMethod(LinearMethod):
     """8-bit weights with one scale per output row; subclasses name the dtype and its rounding."""
 
     weight_dtype: ClassVar[torch.dtype]
+    gemv_scale = "weight_scale"
     max_value: ClassVar[float]  # the format's largest value: scale = amax(|row|) / max_value
 
     def __init__(self, prequantized: bool = False, dynamic_activations: bool = False) -> None:
@@ -136,6 +158,13 @@ class PerChannelLinearMethod(LinearMethod):
     def matmul_path(self, layer: ProjectionLayer, options: KernelOptions) -> MatmulPath:
         if self.dynamic_activations:
             return partial(self.fake_w8a8_linear, layer)
+        if options.w8a8 and tensor_cores_take(layer.weight):
+            from tokenmill.kernels import scaled_matmul
+
+            kernel = (
+                scaled_matmul.int8_linear if self.weight_dtype == torch.int8 else scaled_matmul.fp8_linear
+            )
+            return partial(w8a8_linear, self, layer, kernel)
         return partial(dequantized_linear, self, layer)
 
     def fake_w8a8_linear(self, layer: ProjectionLayer, x: torch.Tensor) -> torch.Tensor:

@@ -30,10 +30,14 @@ from tokenmill.quantization import UNQUANTIZED, LinearMethod, RowShard, linear_m
 ShardId = str | int | None
 
 
-def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the Triton GEMV takes ``x @ weight.T``: at most ``GEMV_MAX_ROWS`` rows, the weight's dtype
-    (so never a quantized int8 / fp8 weight: those run their method's path, unfused)."""
-    return x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype
+def gemv_fits(x: torch.Tensor, layer: "LinearProjection") -> bool:
+    """Whether the Triton GEMV takes ``x @ layer.weight.T``: at most ``GEMV_MAX_ROWS`` rows, and a weight
+    of x's dtype or an 8-bit one with a scale per row that the GEMV applies (per-channel int8 / fp8)."""
+    if x.dim() != 2 or x.shape[0] > GEMV_MAX_ROWS:
+        return False
+    if layer.quant_method.quantized:
+        return layer.quant_method.gemv_scale is not None
+    return x.dtype == layer.weight.dtype
 
 
 def check_shape(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -100,6 +104,11 @@ class LinearProjection(FusableLayer):
         """The bias this rank adds (row-parallel layers add it on one rank only)."""
         return None
 
+    def gemv_weight_scale(self) -> torch.Tensor | None:
+        """The scale per output row the GEMV applies to an 8-bit weight (None: a float weight)."""
+        name = self.quant_method.gemv_scale
+        return None if name is None else getattr(self, name)
+
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's ``x W^T + b``, before the ranks' outputs are combined."""
         return self._project(x)
@@ -114,10 +123,15 @@ class LinearProjection(FusableLayer):
     def project_gemv(self, x: torch.Tensor) -> torch.Tensor:
         """The GEMV for inputs it takes (:func:`gemv_fits`); more rows read the weight once through the
         matmul bound beside it."""
-        if not gemv_fits(x, self.weight):
+        if not gemv_fits(x, self):
             return self._matmul(x)
         return self._gemv_kernel(
-            x, self.weight, self.local_bias(), pdl=self.pdl, out_dtype=self.gemv_out_dtype
+            x,
+            self.weight,
+            self.local_bias(),
+            pdl=self.pdl,
+            out_dtype=self.gemv_out_dtype,
+            weight_scale=self.gemv_weight_scale(),
         )
 
 
