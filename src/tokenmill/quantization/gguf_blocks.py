@@ -73,6 +73,17 @@ class GGUFBlocks:
         return GGUFBlocks(self.data[order.numpy()], self.qtype, len(order), self.cols)
 
 
+def concat_rows(parts: "list[GGUFBlocks]") -> GGUFBlocks:
+    """Parts stacked by rows, as a fused q/k/v or gate/up weight holds them; they must share a format
+    (GGUF files may store q, k and v in different ones, e.g. Gemma 3's Q5_0 q/k and Q8_0 v: such a weight
+    stays in separate parts)."""
+    formats = {(part.qtype, part.cols) for part in parts}
+    if len(formats) != 1:
+        raise ValueError(f"parts of one weight must share format and width, got {sorted(formats)}")
+    data = np.concatenate([part.data for part in parts])
+    return GGUFBlocks(data, parts[0].qtype, data.shape[0], parts[0].cols)
+
+
 @dataclass(frozen=True)
 class DecodedBlocks:
     """``w[r, c] = codes[r, c] * scale[r, c // group] + offset[r, c // group]`` in float32, bit for bit as
