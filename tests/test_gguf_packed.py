@@ -12,8 +12,14 @@ from gguf.quants import dequantize, quantize
 
 from tokenmill.loading.gguf_checkpoint import unpermute_rotary_rows
 from tokenmill.loading.gguf_file import GGUFFile
-from tokenmill.quantization.gguf_blocks import GGUFBlocks, decode_blocks
-from tokenmill.quantization.gguf_packed import pack_blocks, pack_gguf_tensor
+from tokenmill.quantization.gguf_blocks import GGUFBlocks, concat_rows, decode_blocks
+from tokenmill.quantization.gguf_packed import (
+    PackedRows,
+    PackedWeight,
+    pack_blocks,
+    pack_gguf_tensor,
+    pack_parts,
+)
 
 Q = GGMLQuantizationType
 QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)
@@ -146,3 +152,24 @@ def test_real_model_tensors_pack_exactly(fixture: str, request: pytest.FixtureRe
         assert torch.equal(packed.dequantize(), weight), name
         x = torch.randn(3, info.shape[1])
         assert ((packed.linear(x) - F.linear(x, weight)).abs() <= summation_bound(x, weight)).all(), name
+
+
+def test_fused_parts_stack_by_rows_in_one_format_or_side_by_side_in_several() -> None:
+    q, k, v = (
+        make_blocks(Q.Q5_0, 8, 256, seed=2),
+        make_blocks(Q.Q5_0, 4, 256, seed=3),
+        make_blocks(Q.Q8_0, 4, 256),
+    )
+    weight = torch.cat([reference(q), reference(k), reference(v)])
+    fused = pack_parts([q, k, v])
+    assert isinstance(fused, PackedRows) and len(fused.parts) == 2 and fused.out_features == 16
+    assert torch.equal(fused.dequantize(), weight)
+    x, bias = torch.randn(3, 256), torch.randn(16)
+    assert (
+        (fused.linear(x, bias) - F.linear(x, weight, bias)).abs() <= summation_bound(x, weight) + 1e-6
+    ).all()
+    single = pack_parts([q, k])
+    assert isinstance(single, PackedWeight) and torch.equal(single.dequantize(), weight[:12])
+    assert torch.equal(pack_blocks(concat_rows([q, k])).codes, single.codes)
+    with pytest.raises(ValueError, match="share format"):
+        concat_rows([q, v])

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from tokenmill.quantization.gguf_blocks import DecodedBlocks, GGUFBlocks, decode_blocks
+from tokenmill.quantization.gguf_blocks import DecodedBlocks, GGUFBlocks, concat_rows, decode_blocks
 from tokenmill.quantization.gguf_cpu_kernel import load_kernel, run_kernel
 
 
@@ -116,3 +116,40 @@ def pack_gguf_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[
     ``shape`` (``GGUFTensorInfo.shape``; leading dimensions are flattened into output rows)."""
     rows, cols = prod(shape[:-1]), shape[-1]
     return pack_blocks(GGUFBlocks(np.asarray(raw).reshape(rows, -1), qtype, rows, cols))
+
+
+@dataclass(frozen=True, eq=False)
+class PackedRows:
+    """A fused weight (q/k/v, gate/up) whose parts are stored in different GGUF formats, as Gemma 3's
+    Q5_0 q/k and Q8_0 v are: each part is packed alone and their outputs are concatenated. Parts of one
+    format are better stacked before packing (``concat_rows``), which makes one kernel call."""
+
+    parts: tuple[PackedWeight, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.cat([part.linear(x) for part in self.parts], dim=-1)
+        return out if bias is None else out + bias
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+
+def pack_parts(parts: list[GGUFBlocks]) -> PackedWeight | PackedRows:
+    """The fused weight of ``parts`` stacked by rows: one packed weight when they share a format, else
+    one per run of parts that do."""
+    runs: list[list[GGUFBlocks]] = []
+    for part in parts:
+        if runs and runs[-1][0].qtype == part.qtype:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    packed = tuple(pack_blocks(concat_rows(run)) for run in runs)
+    return packed[0] if len(packed) == 1 else PackedRows(packed)

@@ -3,6 +3,7 @@
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 
 from tokenmill.benchmarks.gguf_cpu.layers import PROJECTIONS, LayerTiming, time_projections
 from tokenmill.benchmarks.gguf_cpu.peer import DecodeRun, LlamaCpp
+from tokenmill.benchmarks.gguf_cpu.swap import swap_in_packed
 from tokenmill.loading.default_model import default_model_path
 from tokenmill.loading.gguf_file import GGUFFile
 from tokenmill.loading.packaged_models import packaged_model_path
@@ -67,10 +69,6 @@ def _tokenmill_run(llm: object, prompts: list[list[int]], new_tokens: int) -> De
     return DecodeRun("tokenmill float32", len(prompts), new_tokens, times[0], times[1] - times[0], ids)
 
 
-def _best(runs: list[DecodeRun]) -> DecodeRun:
-    return min(runs, key=lambda run: run.decode_s)
-
-
 def _print_layers(timings: list[LayerTiming]) -> None:
     print(f"{'projection':>10} {'qtype':>6} {'shape':>11} {'rows':>4} {'packed us':>9} {'f32 us':>8} "
           f"{'speedup':>7} {'B/weight':>8}")  # fmt: skip
@@ -93,27 +91,56 @@ def estimate_packed_step(run: DecodeRun, timings: list[LayerTiming], layers: int
     return run.decode_s / (run.new_tokens - 1) - saved
 
 
-def _decode_line(
-    llm: object,
-    peer: LlamaCpp | None,
-    prompts: list[list[int]],
-    args: argparse.Namespace,
-    timings: list[LayerTiming],
-    layers: int,
-) -> dict[str, object]:
-    ours = _best([_tokenmill_run(llm, prompts, args.new_tokens) for _ in range(args.repeats)])
-    line: dict[str, object] = {
-        "sequences": len(prompts),
-        "tokenmill_float32": ours.decode_tokens_per_s,
-        "tokenmill_packed_estimate": len(prompts) / estimate_packed_step(ours, timings, layers),
-        "tokenmill_float32_with_prefill": ours.total_tokens_per_s,
-    }
+def _first_divergence(ours: DecodeRun, reference: DecodeRun) -> int | None:
+    """The first output position where some sequence's greedy token differs; None when all agree."""
+    positions = [
+        next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), None)
+        for mine, theirs in zip(ours.tokens, reference.tokens, strict=True)
+    ]
+    found = [p for p in positions if p is not None]
+    return min(found) if found else None
+
+
+def _decode_runs(args: argparse.Namespace, path: Path, timings: list[LayerTiming], layers: int) -> list[dict]:
+    """Per batch size: tokenmill float32, the same engine with packed projections swapped in, the packed
+    estimate from the layer timings, and llama.cpp; greedy tokens compared with tokenmill float32."""
+    from tokenmill.llm import LLM
+
+    max_len = args.prompt_len + args.new_tokens
+    llm = LLM(str(path), max_model_len=max_len + 16, max_num_seqs=max(args.sequences))
+    token_ids = llm.get_tokenizer().encode(TEXT)
+    prompts = {count: _prompts(token_ids, count, args.prompt_len) for count in args.sequences}
+
+    def best(runs: "Callable[[list[list[int]]], DecodeRun]", count: int) -> DecodeRun:
+        return min((runs(prompts[count]) for _ in range(args.repeats)), key=lambda run: run.decode_s)
+
+    def tokenmill(batch: list[list[int]]) -> DecodeRun:
+        return _tokenmill_run(llm, batch, args.new_tokens)
+
+    float32 = {count: best(tokenmill, count) for count in args.sequences}
+    config = llm.engine.model_config
+    swap_in_packed(llm.engine.runner.model, GGUFFile(path), config.num_heads, config.num_kv_heads)
+    packed = {count: best(tokenmill, count) for count in args.sequences}
+    lines: list[dict] = []
+    peer = None if args.no_peer else LlamaCpp(path, max(args.sequences), max_len, args.threads)
+    for count in args.sequences:
+        line: dict[str, object] = {
+            "sequences": count,
+            "tokenmill_float32": float32[count].decode_tokens_per_s,
+            "tokenmill_packed": packed[count].decode_tokens_per_s,
+            "tokenmill_packed_estimate": count / estimate_packed_step(float32[count], timings, layers),
+            "packed_first_divergence": _first_divergence(packed[count], float32[count]),
+        }
+        if peer is not None:
+            theirs = best(lambda batch: peer.generate(batch, args.new_tokens), count)
+            line["llama_cpp"] = theirs.decode_tokens_per_s
+            line["llama_cpp_first_divergence"] = _first_divergence(theirs, float32[count])
+        lines.append(line)
+        print("decode tok/s: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in line.items()), flush=True)  # fmt: skip
     if peer is not None:
-        theirs = _best([peer.generate(prompts, args.new_tokens) for _ in range(args.repeats)])
-        line["llama_cpp"] = theirs.decode_tokens_per_s
-        line["llama_cpp_with_prefill"] = theirs.total_tokens_per_s
-        line["same_greedy_tokens"] = theirs.tokens == ours.tokens
-    return line
+        peer.close()
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,20 +154,7 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, object] = {"model": str(path), "threads": args.threads}
     report["layers"] = [asdict(t) for t in timings]
     if not args.no_engine:
-        from tokenmill.llm import LLM
-
-        max_len = args.prompt_len + args.new_tokens
-        llm = LLM(str(path), max_model_len=max_len + 16, max_num_seqs=max(args.sequences))
-        token_ids = llm.get_tokenizer().encode(TEXT)
-        peer = None if args.no_peer else LlamaCpp(path, max(args.sequences), max_len, args.threads)
-        report["decode"] = decode = []
-        for count in args.sequences:
-            line = _decode_line(llm, peer, _prompts(token_ids, count, args.prompt_len), args, timings, layers)
-            decode.append(line)
-            print("decode tok/s: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                                              for k, v in line.items()), flush=True)  # fmt: skip
-        if peer is not None:
-            peer.close()
+        report["decode"] = _decode_runs(args, path, timings, layers)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
