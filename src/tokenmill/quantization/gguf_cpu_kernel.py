@@ -99,12 +99,12 @@ INLINE void accumulate(v16* a, v16* b, v16 w0, v16 w1, const float* x) {
 }
 
 INLINE float fold(v16 a, v16 b) {
-    a += b;
-    float lanes[16];
-    memcpy(lanes, &a, 64);
-    for (int width = 8; width >= 1; width /= 2)
-        for (int i = 0; i < width; i++) lanes[i] += lanes[i + width];
-    return lanes[0];
+    a += b;  /* then lanes i += i + 8, i += i + 4, i += i + 2, i += i + 1 */
+    a += __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    a += __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    a += __builtin_shufflevector(a, a, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+    return a[0];
 }
 
 INLINE float dot(const float* w, const float* x, int64_t K) {
