@@ -173,3 +173,38 @@ def test_fused_parts_stack_by_rows_in_one_format_or_side_by_side_in_several() ->
     assert torch.equal(pack_blocks(concat_rows([q, k])).codes, single.codes)
     with pytest.raises(ValueError, match="share format"):
         concat_rows([q, v])
+
+
+def test_without_a_compiler_the_same_weights_run_through_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tokenmill.quantization.gguf_packed as gguf_packed
+
+    blocks = make_blocks(Q.Q4_1, 8, 256)
+    weight, packed = reference(blocks), pack_blocks(blocks)
+    monkeypatch.setattr(gguf_packed, "load_kernel", lambda: None)
+    assert torch.equal(packed.linear(torch.eye(256)), weight.t())
+
+
+@pytest.mark.parametrize("fixture", ["smollm2_gguf_path", "gemma3_gguf_path"])
+def test_real_models_with_packed_projections_decode_the_float32_greedy_tokens(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """Every projection swapped for its packed twin (checked bit for bit on the way in): the greedy tokens
+    of one sequence and of three together equal those of the float32 engine."""
+    from tokenmill.benchmarks.gguf_cpu.swap import swap_in_packed
+    from tokenmill.llm import LLM
+    from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
+    from tokenmill.sampling_params import SamplingParams
+
+    path = Path(request.getfixturevalue(fixture))
+    llm = LLM(str(path), max_model_len=128, max_num_seqs=4)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def greedy(batch: list[str]) -> list[list[int]]:
+        return [list(out.outputs[0].token_ids) for out in llm.generate(batch, params)]
+
+    single, together = greedy(prompts[:1]), greedy(prompts)
+    swapped = swap_in_packed(llm.engine.runner.model, GGUFCheckpoint(path))
+    assert swapped == 4 * llm.engine.model_config.num_layers + 1
+    assert greedy(prompts[:1]) == single
+    assert greedy(prompts) == together

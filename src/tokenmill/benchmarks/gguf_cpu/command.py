@@ -13,6 +13,7 @@ from tokenmill.benchmarks.gguf_cpu.layers import PROJECTIONS, LayerTiming, time_
 from tokenmill.benchmarks.gguf_cpu.peer import DecodeRun, LlamaCpp
 from tokenmill.benchmarks.gguf_cpu.swap import swap_in_packed
 from tokenmill.loading.default_model import default_model_path
+from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.loading.gguf_file import GGUFFile
 from tokenmill.loading.packaged_models import packaged_model_path
 
@@ -118,8 +119,7 @@ def _decode_runs(args: argparse.Namespace, path: Path, timings: list[LayerTiming
         return _tokenmill_run(llm, batch, args.new_tokens)
 
     float32 = {count: best(tokenmill, count) for count in args.sequences}
-    config = llm.engine.model_config
-    swap_in_packed(llm.engine.runner.model, GGUFFile(path), config.num_heads, config.num_kv_heads)
+    swap_in_packed(llm.engine.runner.model, GGUFCheckpoint(path))
     packed = {count: best(tokenmill, count) for count in args.sequences}
     lines: list[dict] = []
     peer = None if args.no_peer else LlamaCpp(path, max(args.sequences), max_len, args.threads)

@@ -1,7 +1,8 @@
 """The packed projections put into a loaded float32 model, for measuring them end to end before the
-``gguf`` quantization method exists: every linear layer of a llama-architecture GGUF model (one rank)
-gets the packed copy of its weight, checked bit for bit against the float32 weight it replaces, as its
-bound path. A benchmark device, not the integration: the float32 weights stay loaded beside the codes.
+``gguf`` quantization method exists: every linear layer of a GGUF model on one rank (llama and Gemma 3
+naming) gets the packed copy of its weight, checked bit for bit against the float32 weight it replaces,
+as its bound path. A benchmark device, not the integration: the float32 weights stay loaded beside the
+codes.
 """
 
 from functools import partial
@@ -9,7 +10,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from tokenmill.loading.gguf_checkpoint import unpermute_rotary_rows
+from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint, unpermute_rotary_rows
 from tokenmill.loading.gguf_file import GGUFFile
 from tokenmill.models.layers.linear import LinearProjection
 from tokenmill.quantization.gguf_blocks import GGUFBlocks
@@ -45,11 +46,13 @@ def _packed_forward(
     return packed.linear(x, module.local_bias())
 
 
-def swap_in_packed(model: nn.Module, file: GGUFFile, num_heads: int, num_kv_heads: int) -> int:
+def swap_in_packed(model: nn.Module, checkpoint: GGUFCheckpoint) -> int:
     """Bind every projection of ``model`` to its packed GGUF weight; returns how many were swapped."""
-    if file.metadata.get("general.architecture") != "llama":
-        raise ValueError("the packed swap handles llama-architecture GGUF files (q/k rows permuted) only")
-    heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
+    file, config = checkpoint.file, checkpoint.hf_config()
+    heads: dict[str, int] = {}
+    if checkpoint.spec.permuted_qk:  # llama.cpp interleaved these rows for its rotary layout
+        heads["attn_q"] = config["num_attention_heads"]
+        heads["attn_k"] = config.get("num_key_value_heads", heads["attn_q"])
     swapped = 0
     for name, module in model.named_modules():
         if not isinstance(module, LinearProjection):
