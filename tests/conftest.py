@@ -22,8 +22,6 @@ SLOW_TESTS = frozenset(
         "test_cuda_graphs.py::test_overlapped_decode_survives_arrivals_aborts_and_preemption",
         "test_cuda_graphs.py::test_triton_decode_with_a_fixed_split_bound_matches_the_reference_loop",
         "test_engine.py::test_every_ladder_config_matches_the_reference_greedy_loop",
-        "test_gguf_packed.py::test_packed_linear_uses_the_reference_weights_and_rows_do_not_depend_on_the_batch",
-        "test_gguf_packed.py::test_shards_are_slices_of_the_weight_and_row_parallel_parts_sum_to_the_whole",
         "test_kernels.py::test_engine_with_every_fused_toggle_matches_the_reference_loop",
         "test_kernels.py::test_fused_model_matches_pytorch_and_toggles_are_independent",
         "test_loading.py::test_dummy_weights_run_and_are_seeded",

@@ -1,17 +1,17 @@
 """The CPU kernel of packed GGUF projections: a short C loop compiled on first use, called through ctypes.
 
 Why C: PyTorch has no CPU kernel for these formats in float32 (see ``gguf_packed.py``), and an
-Inductor-compiled PyTorch expression re-dequantizes every weight once per input row (it cannot keep a
-weight in registers across rows): 10-20x slower than float32 at 8 rows. The loop here dequantizes one
-output row at a time into a small float32 buffer (exactly: ``code * scale`` is exact and ``+ offset``
-rounds once, as gguf-py does; a fused multiply-add gives the same bits) and takes its dot product with
-every input row while the buffer sits in L1, so a weight is read and decoded once per call whatever the
-batch.
+Inductor-compiled PyTorch expression of the same arithmetic re-dequantizes every weight once per input
+row and runs the products at a fraction of the FMA rate: 10-20x slower than float32 at 8 rows. The loop
+here forms 32 weights of an output row at a time in vector registers (exactly: ``code * scale`` is exact
+and ``+ offset`` rounds once, as gguf-py does; a fused multiply-add gives the same bits) and multiplies
+them into up to four input rows before forming the next 32, so the codes are read once per four rows and
+no float32 weight is ever stored.
 
-Each output element is one dot product whose order (32 lanes, then a fixed pairwise fold) does not depend
-on the number of rows, so a row's result does not depend on the batch. OpenMP splits output rows across
-torch's intra-op threads; the library links the ``libgomp.so.1`` that torch has already loaded, so both
-share one thread pool.
+Each output element is one dot product whose order (two 16-lane sums over the 32-weight chunks, then a
+fixed pairwise fold) does not depend on the number of input rows, so a row's result does not depend on
+the batch. OpenMP splits output rows across torch's intra-op threads; the library links the
+``libgomp.so.1`` that torch has already loaded, so both share one thread pool.
 
 The compiler is the one Inductor uses (``cc``, i.e. ``$CC`` or ``gcc``); the shared object is cached under
 ``~/.cache/tokenmill/kernels`` by a hash of its source and flags. :func:`load_kernel` returns None where it
@@ -66,30 +66,26 @@ INLINE v16 affine(v16 codes, float s, float o, const int has_offset) {
     return has_offset ? w + o : w;
 }
 
-INLINE void dequantize_row(const uint8_t* codes, const void* scale, const void* offset, int64_t row,
-                           int64_t K, const int group, const int four_bit, const int half,
-                           const int has_offset, float* restrict w) {
-    int64_t groups = K / group;
-    for (int64_t g = 0; g < groups; g++) {
-        float s = factor(scale, row * groups + g, half);
-        float o = has_offset ? factor(offset, row * groups + g, half) : 0.0f;
-        v16 parts[2];
-        if (four_bit) {  /* group 32: value i in the low nibble of byte i, value 16 + i in its high one */
-            u8x16 b = *(const u8x16*)(codes + (row * groups + g) * 16);
-            parts[0] = affine(unsigned_to_float(b & 15), s, o, has_offset);
-            parts[1] = affine(unsigned_to_float(b >> 4), s, o, has_offset);
-        } else {
-            const i8x16* q = (const i8x16*)(codes + (row * groups + g) * group);
-            parts[0] = affine(signed_to_float(q[0]), s, o, has_offset);
-            if (group == 32) parts[1] = affine(signed_to_float(q[1]), s, o, has_offset);
-        }
-        memcpy(w + g * group, parts, group * sizeof(float));
+/* Group g of output row `row` as 16-value vectors (two for groups of 32). */
+INLINE void dequantize_group(const uint8_t* codes, const void* scale, const void* offset, int64_t row,
+                             int64_t groups, int64_t g, const int group, const int four_bit,
+                             const int half, const int has_offset, v16* parts) {
+    float s = factor(scale, row * groups + g, half);
+    float o = has_offset ? factor(offset, row * groups + g, half) : 0.0f;
+    if (four_bit) {  /* group 32: value i in the low nibble of byte i, value 16 + i in its high one */
+        u8x16 b = *(const u8x16*)(codes + (row * groups + g) * 16);
+        parts[0] = affine(unsigned_to_float(b & 15), s, o, has_offset);
+        parts[1] = affine(unsigned_to_float(b >> 4), s, o, has_offset);
+    } else {
+        const i8x16* q = (const i8x16*)(codes + (row * groups + g) * group);
+        parts[0] = affine(signed_to_float(q[0]), s, o, has_offset);
+        if (group == 32) parts[1] = affine(signed_to_float(q[1]), s, o, has_offset);
     }
 }
 
-/* A row's dot product with w accumulates in two 16-lane sums (elements k..k+15 and k+16..k+31 of each
-   32), folded pairwise at the end: the same operations in the same order whether the row is computed
-   alone (dot) or beside three others that share the loads of w (dot4). */
+/* An input row's dot product with a weight row accumulates in two 16-lane sums (elements k..k+15 and
+   k+16..k+31 of each 32), folded pairwise at the end: the same operations in the same order whether the
+   input row is computed alone or beside three others that share the weights. */
 INLINE void accumulate(v16* a, v16* b, v16 w0, v16 w1, const float* x) {
     v16 x0, x1;
     memcpy(&x0, x, 64);
@@ -107,40 +103,45 @@ INLINE float fold(v16 a, v16 b) {
     return a[0];
 }
 
-INLINE float dot(const float* w, const float* x, int64_t K) {
-    v16 a = {0}, b = {0}, w0, w1;
-    for (int64_t k = 0; k < K; k += 32) {
-        memcpy(&w0, w + k, 64); memcpy(&w1, w + k + 16, 64);
-        accumulate(&a, &b, w0, w1, x + k);
+/* The 32 weights [32c, 32c + 32) of output row `row`, in two vectors: one group of 32, or two of 16. */
+INLINE void dequantize_chunk(const uint8_t* codes, const void* scale, const void* offset, int64_t row,
+                             int64_t K, int64_t c, const int group, const int four_bit, const int half,
+                             const int has_offset, v16* w) {
+    int64_t groups = K / group;
+    if (group == 32) {
+        dequantize_group(codes, scale, offset, row, groups, c, 32, four_bit, half, has_offset, w);
+    } else {
+        dequantize_group(codes, scale, offset, row, groups, 2 * c, 16, four_bit, half, has_offset, w);
+        dequantize_group(codes, scale, offset, row, groups, 2 * c + 1, 16, four_bit, half, has_offset, w + 1);
     }
-    return fold(a, b);
 }
 
-INLINE void dot4(const float* w, const float* x, int64_t K, float* y, int64_t stride) {
-    v16 a[4] = {{0}}, b[4] = {{0}}, w0, w1;
-    for (int64_t k = 0; k < K; k += 32) {
-        memcpy(&w0, w + k, 64); memcpy(&w1, w + k + 16, 64);
-        for (int r = 0; r < 4; r++) accumulate(&a[r], &b[r], w0, w1, x + r * K + k);
+/* Output row `row` against `rows` (1 or 4) input rows, its weights formed in registers once per chunk
+   and used by every input row. */
+INLINE void row_dots(const uint8_t* codes, const void* scale, const void* offset, int64_t row,
+                     const float* x, int64_t K, const int rows, const int group, const int four_bit,
+                     const int half, const int has_offset, float* y, int64_t stride) {
+    v16 a[4] = {{0}}, b[4] = {{0}}, w[2];
+    for (int64_t c = 0; c < K / 32; c++) {
+        dequantize_chunk(codes, scale, offset, row, K, c, group, four_bit, half, has_offset, w);
+        for (int r = 0; r < rows; r++) accumulate(&a[r], &b[r], w[0], w[1], x + r * K + c * 32);
     }
-    for (int r = 0; r < 4; r++) y[r * stride] = fold(a[r], b[r]);
-}
-
-INLINE void products(const float* w, const float* x, int64_t M, int64_t K, float* y, int64_t N) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) dot4(w, x + m * K, K, y + m * N, N);
-    for (; m < M; m++) y[m * N] = dot(w, x + m * K, K);
+    for (int r = 0; r < rows; r++) y[r * stride] = fold(a[r], b[r]);
 }
 
 typedef void (*row_fn)(const float*, int64_t, int64_t, const uint8_t*, const void*, const void*, int64_t,
-                       int64_t, int64_t, float*, float*);
+                       int64_t, int64_t, float*);
 
-/* One function per format, its arguments constant: output rows [n0, n1) of y = x w^T. */
+/* One function per format, its arguments constant: output rows [n0, n1) of y = x w^T, input rows four
+   at a time (then one at a time); each output element sees the same operations either way. */
 #define VARIANT(NAME, GROUP, FOUR, HALF, OFF)                                                              \
     static void NAME(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scale,       \
-                     const void* offset, int64_t n0, int64_t n1, int64_t N, float* y, float* w) {          \
+                     const void* offset, int64_t n0, int64_t n1, int64_t N, float* y) {                   \
         for (int64_t n = n0; n < n1; n++) {                                                               \
-            dequantize_row(codes, scale, offset, n, K, GROUP, FOUR, HALF, OFF, w);                        \
-            products(w, x, M, K, y + n, N);                                                       \
+            int64_t m = 0;                                                                                \
+            for (; m < M; m += (M - m >= 4 ? 4 : 1))                                                      \
+                row_dots(codes, scale, offset, n, x + m * K, K, M - m >= 4 ? 4 : 1, GROUP, FOUR, HALF, OFF,  \
+                         y + m * N + n, N);                                                               \
         }                                                                                                 \
     }
 VARIANT(q4_half_off, 32, 1, 1, 1) VARIANT(q4_float_off, 32, 1, 0, 1)
@@ -169,10 +170,8 @@ int gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* codes, cons
     if (fn == 0) return 1;
     #pragma omp parallel num_threads(threads)
     {
-        float* w = (float*)__builtin_alloca(K * sizeof(float) + 64);
-        w = (float*)(((uintptr_t)w + 63) & ~(uintptr_t)63);
         int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
-        fn(x, M, K, codes, scale, offset, N * t / count, N * (t + 1) / count, N, y, w);
+        fn(x, M, K, codes, scale, offset, N * t / count, N * (t + 1) / count, N, y);
     }
     return 0;
 }

@@ -6,9 +6,8 @@ factors take 0.625. PyTorch's CPU weight-only kernels do not fit these formats:
 bfloat16, which cannot hold GGUF's fp16 scales, let alone Q4_K's products of them), and its float32 path is
 a scalar loop, ~50x slower than float32 oneDNN; ``_weight_int8pack_mm`` has one scale per output channel,
 not per group of 32. The kernel is therefore tokenmill's own (``gguf_cpu_kernel.py``): it reads the codes,
-forms each weight as ``code * scale + offset`` (the exact float32 weight of :mod:`gguf_blocks`) in a
-buffer of one output row that stays in L1, and takes its dot product with every input row; no float32
-copy of the weight matrix is ever written.
+forms each weight as ``code * scale + offset`` (the exact float32 weight of :mod:`gguf_blocks`) in vector
+registers and multiplies it into up to four input rows at once; no float32 copy of the weight is stored.
 
 Exactness: the weights are bit-identical to gguf-py's dequantized float32 (a one-hot input row returns a
 weight column exactly); results differ from ``F.linear`` on those weights by float32 summation order only.
