@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from quant_reference import write_prequantized
 from tiny_models import save_tiny_model
 from tokenmill import LLM
 from tokenmill.config import EngineConfig
@@ -118,6 +119,15 @@ def test_greedy_tokens_match_one_rank(folders: dict[str, Path], name: str, tp: i
     reference = _greedy(model, 1)
     assert all(len(tokens) == GREEDY.max_tokens for tokens in reference.values())
     assert _greedy(model, tp) == reference
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+def test_int8_quantized_ranks_match_one_rank(folders: dict[str, Path], name: str) -> None:
+    """Each rank quantizes its shard as it loads (a row-parallel layer its column slice, with scales of its
+    own); llama3's untied LM head is quantized and split over the vocabulary, qwen2 adds q/k/v biases."""
+    model = str(folders[name])
+    reference = _greedy(model, 1, quantization="int8")
+    assert _greedy(model, 2, quantization="int8") == reference
 
 
 def test_two_ranks_match_transformers(folders: dict[str, Path]) -> None:
@@ -298,3 +308,14 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "int8_ct"])
+def test_prequantized_checkpoints_shard_like_one_rank(
+    folders: dict[str, Path], tmp_path: Path, fmt: str
+) -> None:
+    """Published formats split as float weights do: fp8 blocks of 16 x 16 (each rank's q/k/v rows and
+    row-parallel columns fall on blocks), compressed-tensors per-row scales split with their rows."""
+    folder = write_prequantized(folders["llama3"], tmp_path / fmt, fmt, (16, 16))
+    reference = _greedy(str(folder), 1)
+    assert _greedy(str(folder), 2) == reference

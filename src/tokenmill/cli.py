@@ -39,6 +39,10 @@ BENCHMARKS = {
         "speculative decoding off / on: n-gram at batch 1 and 64, a draft model's round cost",
     ),
     "seeds": ("tokenmill.benchmarks.seeds.command", "the seed engines' result tables, on this machine"),
+    "accuracy": (
+        "tokenmill.benchmarks.accuracy.command",
+        "quantized modes against the unquantized model: perplexity, top-1 agreement, greedy tokens",
+    ),
 }
 # The command line's own temperature: milder than SamplingParams' (and OpenAI's) 1.0, for text that reads
 # well in a terminal from a small model; the server and LLM.generate keep 1.0.
@@ -172,6 +176,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="tokens per streamed chunk after the first (default 1: every token as it comes)",
+    )
+    group.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine in its own process, so its steps never wait for the HTTP side's GIL "
+        "(default: on; --no-engine-process steps it in a thread of the server's process)",
     )
     levels = ["critical", "error", "warning", "info", "debug"]
     group.add_argument("--log-level", default="info", choices=levels, help="uvicorn's (default: info)")

@@ -69,9 +69,9 @@ def run_chat(config: EngineConfig, params: SamplingParams, system: str | None) -
 
 
 def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    from tokenmill.server import ServerSettings, create_app, default_served_model_name, serve
+    from tokenmill.server import EngineClient, ServerSettings, create_app, default_served_model_name, serve
 
-    engine = LLMEngine(config)
+    engine = EngineClient.launch(config) if args.engine_process else LLMEngine(config)
     settings = ServerSettings(
         served_model_name=args.served_model_name or default_served_model_name(engine),
         api_key=args.api_key or None,
@@ -81,5 +81,8 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     )
     url = f"http://{args.host}:{args.port}"
     print(f"tokenmill: serving '{settings.served_model_name}' on {url}", file=sys.stderr)
-    serve(create_app(engine, settings), args.host, args.port, args.log_level)
+    died = serve(create_app(engine, settings), args.host, args.port, args.log_level)
+    if died is not None:
+        print(f"tokenmill: error: the engine died, the server stopped: {died}", file=sys.stderr)
+        return 1
     return 0

@@ -18,11 +18,13 @@ AdmissionRule = Literal["fit", "headroom", "lookahead"]
 AttentionBackendName = Literal["auto", "torch", "triton"]
 StructuredOutputBackendName = Literal["llguidance", "xgrammar"]
 SpeculativeMethod = Literal["ngram", "draft_model"]
+QuantizationMethod = Literal["none", "int8", "fp8", "gguf"]
 FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_rms_norm",
     "fused_rotary",
     "fused_activation",
     "fused_gemv",
+    "fused_w8a8",
     "fused_decode_rotary_kv",
     "fused_sampling",
 )
@@ -152,6 +154,10 @@ class KernelConfig:
     # q/k/v and gate/up, and the gated activation before down_proj, fused into their loads; the LM head
     # too, writing float32 logits directly.
     fused_gemv: bool | None = None
+    # Quantized int8 / fp8 weights: projections of more than one row multiply 8-bit activations (quantized
+    # per token in one launch) on the 8-bit tensor cores (torch._scaled_mm / torch._int_mm); off, the
+    # weight is dequantized for F.linear (slow, but weight-only). One-row projections take fused_gemv.
+    fused_w8a8: bool | None = None
     # Triton attention: decode steps rotate q and the new key and store the new K/V inside the decode
     # attention kernel (no rotary and KV-write launches per layer); prefill keeps the separate kernels.
     fused_decode_rotary_kv: bool | None = None
@@ -258,6 +264,9 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
     load_format: str = "auto"  # "dummy": random weights of the named preset / config
+    # Weights in 8 bits (tokenmill.quantization): int8 / fp8 quantize float weights per channel as they
+    # load; "none" keeps them float (a pre-quantized checkpoint loads as published either way).
+    quantization: QuantizationMethod = "none"
     seed: int = 0
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     debug_checks: bool = False  # check allocator + prefix-tree integrity after every step
@@ -277,6 +286,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require_at_least_one("max_model_len", self.max_model_len)
+        _require_choice("quantization", self.quantization, ("none", "int8", "fp8", "gguf"))
         _require_at_least_one("tensor_parallel_size", self.tensor_parallel_size)
         _require(
             self.tensor_parallel_size == 1 or self.speculative.method is None,

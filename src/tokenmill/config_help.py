@@ -15,6 +15,9 @@ OPTION_HELP: dict[str, str] = {
     "device": "cpu, cuda or cuda:N; auto picks cuda when it is available",
     "dtype": "weight and activation dtype; auto is bfloat16 on cuda, float32 on cpu",
     "load_format": "dummy: random weights of the named preset or config.json (real shapes, for benchmarks)",
+    "quantization": "8-bit weights: int8 / fp8 quantize float weights per output channel as they load "
+    "(weight-only PyTorch paths on cpu); none keeps them float; a pre-quantized checkpoint (fp8 128x128 "
+    "blocks, compressed-tensors int8) loads as published",
     "seed": "seed of the dummy weights and of the engine's default sampling generator",
     "max_model_len": "longest sequence (prompt + output) in tokens; unset: the model's limit, at most 8192",
     "tensor_parallel_size": "split each layer over this many processes (one per GPU; gloo on cpu); rank 0 "
@@ -61,6 +64,8 @@ OPTION_HELP: dict[str, str] = {
     "fused_activation": "Triton SwiGLU / GeGLU; unset: on with CUDA + Triton",
     "fused_gemv": "batch-1 projections as Triton GEMVs with the norm and activation fused into their "
     "loads; unset: on with CUDA + Triton",
+    "fused_w8a8": "int8 / fp8 weights: projections of more than one row take 8-bit activations (per-token "
+    "scales) on the 8-bit tensor cores; unset: on with CUDA + Triton",
     "fused_decode_rotary_kv": "Triton attention: decode steps rotate q and k and store the new K/V inside "
     "the decode kernel; unset: on with CUDA + Triton",
     "fused_sampling": "temperature, top-k / min-p and the draw in one Triton pass; unset: on with CUDA + "

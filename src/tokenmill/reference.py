@@ -46,6 +46,14 @@ class SingleSequenceRunner:
     @torch.inference_mode()
     def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Append ``token_ids`` to the sequence; return the float32 logits of the last one."""
+        return self.model.compute_logits(self._hidden(token_ids)[-1:])[0]
+
+    @torch.inference_mode()
+    def forward_all(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Append ``token_ids``; return the float32 logits of every one of them (teacher forcing)."""
+        return self.model.compute_logits(self._hidden(token_ids))
+
+    def _hidden(self, token_ids: Sequence[int]) -> torch.Tensor:
         start, count = self.num_tokens, len(token_ids)
         if start + count > self.max_len:
             raise ValueError(f"sequence of {start + count} tokens exceeds the cache of {self.max_len}")
@@ -60,9 +68,9 @@ class SingleSequenceRunner:
         )
         input_ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         with forward_context(ForwardContext(metadata, self.backend, self.kv_caches)):
-            hidden = self.model(input_ids, positions)
+            hidden: torch.Tensor = self.model(input_ids, positions)
         self.num_tokens += count
-        return self.model.compute_logits(hidden[-1:])[0]
+        return hidden
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from tokenmill.benchmarks.accuracy.arguments import add_accuracy_arguments
 from tokenmill.benchmarks.ladder.rungs import RUNGS
 from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
 from tokenmill.benchmarks.scenarios.workloads import WORKLOADS
@@ -141,6 +142,7 @@ def add_load_memory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=CHOICES["dtype"])
     parser.add_argument("--load-format", default="auto", choices=CHOICES["load_format"])
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "fp8"))
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -390,4 +392,5 @@ BENCHMARK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "structured": add_structured_arguments,
     "speculative": add_speculative_arguments,
     "seeds": add_seeds_arguments,
+    "accuracy": add_accuracy_arguments,
 }

@@ -96,6 +96,7 @@ def float32_copy(config: EngineConfig, loaded: LoadedModel) -> LoadedModel:
         load_format=config.load_format,
         max_model_len=config.max_model_len,
         seed=config.seed,
+        quantization=config.quantization,  # the same quantized weights, on their PyTorch reference path
     )
     return dataclasses.replace(copy, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids)
 

@@ -2,10 +2,13 @@
 
 A loader that holds a second full copy of the weights (e.g. a whole state dict, then the model) peaks
 near twice the parameter bytes; tokenmill streams one tensor at a time, so the peak should stay close to
-the parameters alone. On CPU the peak of anonymous resident memory is sampled (file-backed pages of the
-memory-mapped checkpoint are not a copy: the kernel can drop them); on CUDA the allocator's peak is read.
+the parameters alone. With ``--quantization int8|fp8`` each tensor is quantized as it is stored, so the
+peak stays near the quantized size (parameters and scale buffers), not the float model's. On CPU the peak
+of anonymous resident memory is sampled (file-backed pages of the memory-mapped checkpoint are not a copy:
+the kernel can drop them); on CUDA the allocator's peak is read.
 
     python -m tokenmill.benchmarks.load_memory --model PATH [--device cuda] [--dtype bfloat16]
+        [--quantization int8]
 """
 
 import argparse
@@ -14,6 +17,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +31,7 @@ class LoadMemoryReport:
     model: str
     device: str
     dtype: str
+    quantization: str
     param_bytes: int
     peak_bytes: int  # above the baseline before loading
     seconds: float
@@ -68,32 +73,44 @@ class PeakSampler:
 
 
 def measure_load_memory(
-    model: str, device: str = "cpu", dtype: str = "float32", load_format: str = "auto"
+    model: str,
+    device: str = "cpu",
+    dtype: str = "float32",
+    load_format: str = "auto",
+    quantization: str = "none",
 ) -> LoadMemoryReport:
+    options: dict[str, Any] = {
+        "device": device,
+        "dtype": dtype,
+        "load_format": load_format,
+        "quantization": quantization,
+    }
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
-        loaded = load_model(model, device=device, dtype=dtype, load_format=load_format)
+        loaded = load_model(model, **options)
         peak = torch.cuda.max_memory_allocated() - baseline
     else:
         baseline = anonymous_rss_bytes()
         with PeakSampler() as sampler:
-            loaded = load_model(model, device=device, dtype=dtype, load_format=load_format)
+            loaded = load_model(model, **options)
         peak = sampler.peak - baseline
     params = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in loaded.model.buffers())
-    return LoadMemoryReport(model, device, dtype, params + buffers, peak, loaded.load_seconds)
+    return LoadMemoryReport(model, device, dtype, quantization, params + buffers, peak, loaded.load_seconds)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = measure_load_memory(args.model, args.device, args.dtype, args.load_format)
+    report = measure_load_memory(args.model, args.device, args.dtype, args.load_format, args.quantization)
     origin = provenance(detect_hardware(torch.device(args.device)))
     if args.json:
         payload = {**asdict(report), "peak_over_params": report.peak_over_params}
         print(json.dumps({**payload, "provenance": origin.to_json()}))
         return 0
     print(origin.markdown(), end="")
-    print(f"model {report.model} on {report.device} in {report.dtype}, loaded in {report.seconds:.2f} s")
+    quantized = "" if report.quantization == "none" else f", weights {report.quantization}"
+    where = f"model {report.model} on {report.device} in {report.dtype}{quantized}"
+    print(f"{where}, loaded in {report.seconds:.2f} s")
     print(f"parameters + buffers: {report.param_bytes / 2**20:.1f} MiB")
     print(f"peak while loading:   {report.peak_bytes / 2**20:.1f} MiB ({report.peak_over_params:.2f}x)")
     return 0

@@ -76,6 +76,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             seed=config.seed,
             tokenizer=config.tokenizer,
+            quantization=config.quantization,
         )
         self.load_seconds = time.perf_counter() - started
         self.model_config = self.loaded.config

@@ -18,6 +18,10 @@ step), and recomputes the cheap input transform from the (L2-resident) activatio
 
 Products accumulate in float32. Inputs of more rows go to cuBLAS (``F.linear``), which reads the weights
 once for all of them.
+
+8-bit weights (int8 or float8 e4m3, ``weight_scale`` per output row) are read as they are and converted in
+registers: a row's scale is a factor of its whole sum, so it is applied once, at the end. Reading half the
+bytes of bfloat16 is the point: batch-1 decode is bound by the weight bytes read per token.
 """
 
 from typing import NamedTuple
@@ -37,6 +41,7 @@ SILU_AND_MUL = 3
 GELU_TANH_AND_MUL = 4
 GATED_ACTIVATIONS = {"silu": SILU_AND_MUL, "gelu_tanh": GELU_TANH_AND_MUL}
 GEMV_MIN_PROGRAMS = 1024  # about 8 per SM of an H200 (132 SMs)
+QUANTIZED_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 class GemvConfig(NamedTuple):
@@ -46,15 +51,25 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-def default_gemv_config(out_features: int, in_features: int) -> GemvConfig:
+def default_gemv_config(out_features: int, in_features: int, weight_bytes: int = 2) -> GemvConfig:
     """From H200 sweeps at Llama-3.2-1B's shapes (``tokenmill bench kernels --gemv-sweep``, then batch-1
     decode in the engine with PDL): long contiguous row segments, 8 warps on long rows; as many rows
     per program (2, 4 or 8) as still leave ``GEMV_MIN_PROGRAMS`` programs (in the engine, 8 rows for
     gate/up and the LM head and 2 for q/k/v were each 1-4% faster than 4)."""
+    if weight_bytes == 1:
+        return _one_byte_config(out_features, in_features)
     if in_features >= 8192:
         return GemvConfig(4, 2048, 8, 1)
     block_n = max([2] + [rows for rows in (4, 8) if out_features // rows >= GEMV_MIN_PROGRAMS])
     return GemvConfig(block_n, min(1024, next_power_of_2(in_features)), 4, 1)
+
+
+def _one_byte_config(out_features: int, in_features: int) -> GemvConfig:
+    """8-bit weights, from H200 sweeps at Llama-3.1-8B's shapes with each prologue (block_n 4-16, block_k
+    1024-2048, 4 or 8 warps): 8 rows of 1024 columns, 4 warps, two stages. More rows per program than
+    for bfloat16 spread the prologue's work (the gated activation is recomputed by every program) over
+    more weight bytes: down_proj's took 21 µs at 8 rows, 33 µs at 4."""
+    return GemvConfig(8, min(1024, next_power_of_2(in_features)), 4, 2)
 
 
 @triton.jit
@@ -99,6 +114,26 @@ def _input_tile(
 
 
 @triton.jit
+def _as_float32(weight: tl.tensor) -> tl.tensor:
+    """The weight tile in float32. 8-bit weights convert through integer and float adds, not the
+    conversion instructions: those run at 16 per clock per SM on Hopper, below the ~18 bytes per clock per
+    SM the memory delivers, so a plain ``.to(float32)`` caps the GEMV near 3 TB/s.
+
+    int8 ``v``: the float with bits ``0x4B000000 + (v + 128)`` is ``2**23 + v + 128``, exactly.
+    float8 e4m3 (bias 7): its exponent and mantissa bits, moved to float32's places, are the value times
+    ``2**-120`` (float32's bias is 127), subnormals included."""
+    if weight.dtype == tl.int8:
+        biased = weight.to(tl.int32) + 0x4B000080
+        return biased.to(tl.float32, bitcast=True) - 8388736.0
+    elif weight.dtype == tl.float8e4nv:
+        bits = weight.to(tl.int8, bitcast=True).to(tl.int32) & 0xFF
+        moved = ((bits & 0x80) << 24) | ((bits & 0x7F) << 20)
+        return moved.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
+    else:
+        return weight.to(tl.float32)
+
+
+@triton.jit
 def _weight_tile(
     weight_rows: tl.tensor, feature_ok: tl.tensor, start: int, in_features: int, block_k: tl.constexpr
 ) -> tl.tensor:
@@ -119,6 +154,7 @@ def _gemv_kernel(
     residual_ptr: tl.tensor,
     norm_weight_ptr: tl.tensor,
     weight_ptr: tl.tensor,
+    weight_scale_ptr: tl.tensor,
     bias_ptr: tl.tensor,
     out_ptr: tl.tensor,
     new_residual_ptr: tl.tensor,
@@ -129,6 +165,7 @@ def _gemv_kernel(
     prologue: tl.constexpr,
     unit_offset: tl.constexpr,
     has_bias: tl.constexpr,
+    has_weight_scale: tl.constexpr,
     block_n: tl.constexpr,
     block_k: tl.constexpr,
     pdl: tl.constexpr,
@@ -156,10 +193,12 @@ def _gemv_kernel(
             prologue,
             unit_offset,
         )
-        products += weight.to(tl.float32) * x[None, :]
+        products += _as_float32(weight) * x[None, :]
         squares += x_squares
         weight = _weight_tile(weight_rows, feature_ok, start + block_k, in_features, block_k)
     out = tl.sum(products, axis=1)
+    if has_weight_scale:
+        out *= tl.load(weight_scale_ptr + features, mask=feature_ok, other=0.0)
     if prologue == 1 or prologue == 2:
         out = out / tl.sqrt(tl.sum(squares, axis=0) / in_features + eps)
     if has_bias:
@@ -174,10 +213,13 @@ def gemv(
     config: GemvConfig | None = None,
     pdl: bool = False,
     out_dtype: torch.dtype | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x W^T + b`` for ``x`` ``[1, K]`` and ``weight`` ``[N, K]``, in ``out_dtype`` (default: x's; the
-    float32 sum is rounded once, to it)."""
-    return _launch(x, weight, bias, PLAIN, x.shape[-1], config, pdl, out_dtype=out_dtype)[0]
+    float32 sum is rounded once, to it). An 8-bit ``weight`` comes with ``weight_scale`` ``[N]``."""
+    return _launch(
+        x, weight, bias, PLAIN, x.shape[-1], config, pdl, out_dtype=out_dtype, weight_scale=weight_scale
+    )[0]
 
 
 def rms_norm_gemv(
@@ -190,6 +232,7 @@ def rms_norm_gemv(
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     pdl: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm(x + residual) W^T + b`` (Llama style, or Gemma's ``1 + w`` with ``unit_offset``) and the
     new residual ``x + residual`` (``x`` itself when there is no residual); ``residual`` is left unchanged."""
@@ -199,7 +242,18 @@ def rms_norm_gemv(
         raise ValueError(f"residual {residual.dtype}{list(residual.shape)} != x {x.dtype}{list(x.shape)}")
     prologue = RMS_NORM if residual is None else ADD_RMS_NORM
     out, new_residual = _launch(
-        x, weight, bias, prologue, x.shape[-1], config, pdl, residual, norm_weight, eps, unit_offset
+        x,
+        weight,
+        bias,
+        prologue,
+        x.shape[-1],
+        config,
+        pdl,
+        residual,
+        norm_weight,
+        eps,
+        unit_offset,
+        weight_scale=weight_scale,
     )
     return out, x if new_residual is None else new_residual
 
@@ -211,6 +265,7 @@ def gated_gemv(
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     pdl: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(act(x[:, :I]) * x[:, I:]) W^T + b`` for a fused ``[gate | up]`` ``x`` ``[M, 2I]``;
     ``activation`` is ``silu`` or ``gelu_tanh``."""
@@ -220,7 +275,8 @@ def gated_gemv(
         )
     if x.shape[-1] % 2:
         raise ValueError(f"the fused [gate | up] dimension must be even, got {x.shape[-1]}")
-    return _launch(x, weight, bias, GATED_ACTIVATIONS[activation], x.shape[-1] // 2, config, pdl)[0]
+    prologue = GATED_ACTIVATIONS[activation]
+    return _launch(x, weight, bias, prologue, x.shape[-1] // 2, config, pdl, weight_scale=weight_scale)[0]
 
 
 def _launch(
@@ -236,13 +292,15 @@ def _launch(
     eps: float = 0.0,
     unit_offset: bool = False,
     out_dtype: torch.dtype | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_rows = x.shape[0]
     out_features = weight.shape[0]
     if x.dim() != 2 or num_rows > MAX_ROWS:
         raise ValueError(f"gemv takes [M, K] inputs of at most {MAX_ROWS} row, got {list(x.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != in_features or weight.dtype != x.dtype:
+    if weight.dim() != 2 or weight.shape[1] != in_features:
         raise ValueError(f"weight {weight.dtype}{list(weight.shape)} does not fit x {x.dtype}{list(x.shape)}")
+    _check_weight_dtype(x, weight, weight_scale)
     if bias is not None and bias.shape != (out_features,):
         raise ValueError(f"bias shape {list(bias.shape)} != ({out_features},)")
     for name, tensor in (("x", x), ("weight", weight), ("residual", residual)):
@@ -252,12 +310,13 @@ def _launch(
     new_residual = torch.empty_like(x) if residual is not None else None
     if num_rows == 0:
         return out, new_residual
-    config = config or default_gemv_config(out_features, in_features)
+    config = config or default_gemv_config(out_features, in_features, weight.element_size())
     _gemv_kernel[(triton.cdiv(out_features, config.block_n),)](
         x,
         residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight,
         weight,
+        weight_scale if weight_scale is not None else weight,
         bias if bias is not None else weight,
         out,
         new_residual if new_residual is not None else out,
@@ -268,6 +327,7 @@ def _launch(
         prologue=prologue,
         unit_offset=unit_offset,
         has_bias=bias is not None,
+        has_weight_scale=weight_scale is not None,
         block_n=config.block_n,
         block_k=config.block_k,
         pdl=pdl,
@@ -276,3 +336,21 @@ def _launch(
         **launch_options(pdl),
     )
     return out, new_residual
+
+
+def _check_weight_dtype(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
+    """A weight of x's dtype, or an 8-bit one with a float32 scale per output row."""
+    if weight.dtype in QUANTIZED_WEIGHT_DTYPES:
+        if (
+            weight_scale is None
+            or weight_scale.shape != (weight.shape[0],)
+            or weight_scale.dtype != torch.float32
+        ):
+            scale = "none" if weight_scale is None else f"{weight_scale.dtype}{list(weight_scale.shape)}"
+            raise ValueError(
+                f"an {weight.dtype} weight needs a float32 scale per row [{weight.shape[0]}], got {scale}"
+            )
+    elif weight.dtype != x.dtype or weight_scale is not None:
+        raise ValueError(
+            f"weight {weight.dtype} does not fit x {x.dtype} (a scale goes with 8-bit weights only)"
+        )

@@ -26,6 +26,9 @@ class KernelOptions:
     rotary: bool = False  # rotary embedding of q and k in place, one launch (tokenmill.kernels.rotary)
     activation: bool = False  # SwiGLU / GeGLU activation-and-multiply (tokenmill.kernels.activation)
     gemv: bool = False  # projections of a few rows, norm / activation fused in (tokenmill.kernels.gemv)
+    # 8-bit weights' projections of more rows on the 8-bit tensor cores, the activations quantized per
+    # token (tokenmill.kernels.scaled_matmul); off, they run dequantized (a reference, not a fast path).
+    w8a8: bool = False
     # Launch the kernels above (and the attention backend's) programmatically dependent: each starts while
     # the one before it finishes and waits only where it reads its results (tokenmill.kernels.launch).
     pdl: bool = False
@@ -42,6 +45,7 @@ class KernelOptions:
         gemv: bool | None = None,
         pdl: bool | None = None,
         prepacked_cpu_linear: bool = False,
+        w8a8: bool | None = None,
     ) -> "KernelOptions":
         """Options for a model on ``device``; see the module docstring for None / True / False.
         ``prepacked_cpu_linear`` needs no resolving: layers whose weight cannot be packed ignore it."""
@@ -50,6 +54,7 @@ class KernelOptions:
             rotary=resolve_kernel_toggle("rotary", rotary, device),
             activation=resolve_kernel_toggle("activation", activation, device),
             gemv=resolve_kernel_toggle("gemv", gemv, device),
+            w8a8=resolve_kernel_toggle("w8a8", w8a8, device),
             pdl=resolve_pdl(pdl, device),
             prepacked_cpu_linear=prepacked_cpu_linear,
         )

@@ -16,6 +16,13 @@ from tokenmill.loading.dummy import init_dummy_weights
 from tokenmill.loading.source import DummySource, resolve_source
 from tokenmill.models import CausalLM, ModelConfig, resolve_architecture
 from tokenmill.models.base import WeightLoadingError
+from tokenmill.quantization import (
+    NO_QUANTIZATION,
+    QuantizationConfig,
+    building_with,
+    published_quantization,
+    resolve_quantization,
+)
 
 if TYPE_CHECKING:
     from tokenmill.tokenizer import Tokenizer
@@ -62,11 +69,14 @@ def load_model(
     max_model_len: int | None = None,
     seed: int = 0,
     tokenizer: str | os.PathLike[str] | None = None,
+    quantization: str | QuantizationConfig = "none",
 ) -> LoadedModel:
     """Load ``model`` (None: the embedded default; a folder, .gguf file, installed model's short name, hub
     id, or with ``load_format="dummy"`` a preset name or config.json) onto ``device`` in ``dtype``.
     ``tokenizer`` names another model whose tokenizer to use instead (as vLLM's ``tokenizer``): how a
-    dummy-weight model gets one."""
+    dummy-weight model gets one. ``quantization`` (``none``, ``int8``, ``fp8``; see
+    :mod:`tokenmill.quantization`): float weights are quantized as they are loaded; a checkpoint whose
+    config publishes a quantization loads in it."""
     start = time.perf_counter()
     device = torch.device(device)
     torch_dtype = parse_dtype(dtype, device)
@@ -76,12 +86,17 @@ def load_model(
     extra_eos: tuple[int, ...] = ()
     if isinstance(source, DummySource):
         config = config_from_hf(source.config, source.name)
-        net = build_model(config, device, torch_dtype, max_model_len)
+        quant = resolve_quantization(
+            quantization, published_quantization(source.config, source.name), source.name
+        )
+        net = build_model(config, device, torch_dtype, max_model_len, quant)
         init_dummy_weights(net, seed)
         name = f"dummy:{source.name}"
     else:
-        config = config_from_hf(source.hf_config(), str(source.config_file))
-        net = build_model(config, device, torch_dtype, max_model_len)
+        raw, where = source.hf_config(), str(source.config_file)
+        config = config_from_hf(raw, where)
+        quant = resolve_quantization(quantization, published_quantization(raw, where), where)
+        net = build_model(config, device, torch_dtype, max_model_len, quant)
         load_checkpoint_weights(net, source)
         extra_eos, name = source.eos_token_ids(), str(source.path)
         if own_tokenizer is None:
@@ -141,11 +156,18 @@ def _creating_tensors(device: torch.device, dtype: torch.dtype) -> Iterator[None
 
 
 def build_model(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int | None = None
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int | None = None,
+    quantization: QuantizationConfig = NO_QUANTIZATION,
 ) -> CausalLM:
-    """Allocate the model directly on ``device`` in ``dtype``, parameters uninitialized."""
+    """Allocate the model directly on ``device`` in ``dtype``, parameters uninitialized; its linear layers
+    (and an untied LM head) take ``quantization``'s method and create their parameters in its format."""
     cls = resolve_architecture(config.architecture, "config")
-    with _creating_tensors(device, dtype):
+    linear = quantization.linear_method()
+    head = quantization.lm_head_method(config.tie_word_embeddings, linear)
+    with _creating_tensors(device, dtype), building_with(linear, head):
         return cls(config, max_positions=max_model_len)  # type: ignore[call-arg]
 
 

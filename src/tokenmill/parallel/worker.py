@@ -94,6 +94,7 @@ def _build_shard(
         max_model_len=config.max_model_len,
         seed=config.seed,
         tokenizer=config.tokenizer,
+        quantization=config.quantization,
     )
     command, num_blocks, max_model_len = receive_header()[:3]
     if command != Command.SETUP:

@@ -1,9 +1,10 @@
-"""The FastAPI app: routes, the request gate (API key, JSON Content-Type), error handlers, and the engine
-loop's lifetime.
+"""The FastAPI app: routes, the request gate (API key, JSON Content-Type), error handlers, and the
+engine's lifetime.
 
-``create_app(engine, settings)`` builds the app; the engine loop thread starts with the app's lifespan
-and stops with it. ``ServerThread`` runs uvicorn in a background thread (tests, notebooks);
-``serve`` runs it in the foreground (``tokenmill serve``).
+``create_app(engine, settings)`` builds the app over an ``EngineClient`` (the engine in its own process,
+``EngineClient.launch(config)``) or an ``LLMEngine`` (stepped by a thread of this process); the engine
+starts serving with the app's lifespan and stops with it. ``ServerThread`` runs uvicorn in a background
+thread (tests, notebooks); ``serve`` runs it in the foreground (``tokenmill serve``).
 """
 
 import logging
@@ -19,9 +20,9 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.server import chat, completions
 from tokenmill.server.chat import render_chat
+from tokenmill.server.engine_handle import Engine, facts_of
 from tokenmill.server.errors import bad_request, install_error_handlers
 from tokenmill.server.generation import ClientDisconnectedError, ServerContext, ServerSettings
 from tokenmill.server.metrics import CONTENT_TYPE
@@ -32,13 +33,15 @@ from tokenmill.server.responses import client_disconnected_handler, context
 logger = logging.getLogger(__name__)
 
 
-def default_served_model_name(engine: LLMEngine) -> str:
+def default_served_model_name(engine: Engine) -> str:
     """The ``--model`` argument as given, or the default model's file name without its suffixes."""
-    return engine.config.model or Path(engine.loaded.source).name.split(".")[0]
+    facts = facts_of(engine)
+    return facts.model or Path(facts.source).name.split(".")[0]
 
 
 # Everything that uses the model needs the key, checked by RequestGate before the body is read;
 # /health and /metrics stay open for probes and scrapers.
+_ENGINE_WATCH_S = 0.5  # how often `serve` checks that its engine is alive
 _protected = APIRouter()
 _open = APIRouter()
 
@@ -58,7 +61,7 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 
 def _model_card(ctx: ServerContext) -> ModelCard:
     name = ctx.settings.served_model_name
-    return ModelCard(id=name, created=ctx.created, max_model_len=ctx.engine.max_model_len)
+    return ModelCard(id=name, created=ctx.created, max_model_len=ctx.max_model_len)
 
 
 @_protected.post("/tokenize")
@@ -78,7 +81,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     answer: dict[str, Any] = {
         "tokens": tokens,
         "count": len(tokens),
-        "max_model_len": ctx.engine.max_model_len,
+        "max_model_len": ctx.max_model_len,
     }
     if body.return_token_strs:
         answer["token_strs"] = ctx.tokenizer.hf_tokenizer.convert_ids_to_tokens(tokens)
@@ -89,7 +92,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     ctx = context(request)
     ctx.check_model(body.model)
-    vocab_size = ctx.engine.model_config.vocab_size
+    vocab_size = ctx.facts.vocab_size
     bad = [token for token in body.tokens if not 0 <= token < vocab_size]
     if bad:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "tokens")
@@ -110,7 +113,7 @@ async def metrics(request: Request) -> Response:
     return Response(context(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
-def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings(served_model_name=default_served_model_name(engine))
     ctx = ServerContext(engine, settings)
 
@@ -139,9 +142,27 @@ def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvico
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run the server in the foreground until interrupted."""
-    uvicorn.Server(_uvicorn_config(app, host, port, log_level)).run()
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> str | None:
+    """Run the server in the foreground until interrupted, or until its engine dies (a killed engine
+    process, a lost tensor-parallel rank): then the requests in flight are answered with the reason, the
+    server shuts down and the reason is returned (None after a normal stop)."""
+    server = uvicorn.Server(_uvicorn_config(app, host, port, log_level))
+    engine_loop: Any = app.state.context.engine_loop
+    stopped, died = threading.Event(), []
+
+    def watch_engine() -> None:
+        while not stopped.wait(_ENGINE_WATCH_S):
+            if server.started and not engine_loop.is_healthy and not server.should_exit:
+                died.append(repr(engine_loop.failure) if engine_loop.failure else "the engine loop stopped")
+                server.should_exit = True
+                return
+
+    threading.Thread(target=watch_engine, name="tokenmill-engine-watch", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        stopped.set()
+    return died[0] if died else None
 
 
 class ServerThread:

@@ -64,7 +64,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     ctx.check_model(body.model)
     prompts = normalise_prompts(body.prompt)
     params = completion_params(body, len(prompts))
-    params = await constrained(ctx.engine, params, structured_outputs_of(body))
+    params = await constrained(ctx.grammars, params, structured_outputs_of(body))
     engine_prompts = [
         engine_prompt(ctx, prompt, None if body.add_special_tokens else False, body.truncate_prompt_tokens)
         for prompt in prompts
@@ -93,7 +93,7 @@ class _CompletionView:
         self.prompts = prompts
         self.generation = generation
         self.id = ctx.new_id("cmpl", body.request_id)
-        self.token_texts = TokenTexts(ctx.tokenizer) if ctx.engine.tokenizer is not None else None
+        self.token_texts = TokenTexts(ctx.tokenizer) if ctx.has_tokenizer else None
 
     def echo_text(self, prompt_index: int) -> str:
         """The prompt as sent, or for token ids (or a cut prompt) their text with special tokens shown, as
@@ -236,7 +236,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         if name in body.model_fields_set:
             raise bad_request(f"'{name}' is not supported on /generate; use /v1/completions", name)
     params = make_params(body, max_tokens=body.max_tokens)
-    params = await constrained(ctx.engine, params, structured_outputs_of(body))
+    params = await constrained(ctx.grammars, params, structured_outputs_of(body))
     generation = await ctx.start([body.prompt], params, request, body.priority)
 
     def build(results: list[ChoiceResult]) -> dict[str, Any]:

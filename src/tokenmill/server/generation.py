@@ -21,17 +21,12 @@ from starlette.requests import Request
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestDelta, RowLogprobs
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.engine_loop import (
-    Accepted,
-    EngineLoop,
-    EngineLoopStoppedError,
-    Failed,
-    PromptSpec,
-    RequestStream,
-    StreamItem,
-)
+from tokenmill.server.engine_handle import Engine, EngineHandle, connect, facts_of
+from tokenmill.server.engine_loop import EngineLoopStoppedError
+from tokenmill.server.engine_messages import Accepted, Failed, PromptSpec, StreamItem
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.streams import RequestStream
 from tokenmill.tokenizer import Tokenizer
 
 # How often a waiting handler checks its client and deadline.
@@ -76,31 +71,35 @@ class ChoiceResult:
         self.stop_reason = delta.stop_reason
 
 
-def cache_labels(engine: LLMEngine) -> dict[str, str]:
-    """``cache_config_info``'s labels: the KV cache settings as resolved, and the pool's size in tokens."""
-    labels = {name: str(value) for name, value in dataclasses.asdict(engine.config.kv).items()}
-    labels["capacity_tokens"] = str(engine.kv_cache.manager.capacity_tokens)
-    return labels
-
-
 class ServerContext:
-    """What the routes share: the engine loop, its settings and metrics, and the tokenizer."""
+    """What the routes share: the engine handle, its settings and metrics, the engine's facts (limits,
+    tokenizer) and a grammar compiler. ``engine`` is the ``LLMEngine`` when it runs in a thread of this
+    process (tests reach into it), None when it runs in its own process."""
 
-    def __init__(self, engine: LLMEngine, settings: ServerSettings) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+        self.engine: LLMEngine | None = engine if isinstance(engine, LLMEngine) else None
+        self.facts = facts_of(engine)
         self.settings = settings
         self.metrics = ServerMetrics(
-            lambda: self.engine_loop.stats(), engine.max_model_len, cache_labels(engine)
+            lambda: self.engine_loop.stats(), self.facts.max_model_len, self.facts.cache_labels
         )
-        self.engine_loop = EngineLoop(engine, self.metrics)
+        self.engine_loop, self.grammars = connect(engine, self.metrics)
         self.created = int(time.time())
         self._ids = itertools.count()
 
     @property
+    def max_model_len(self) -> int:
+        return self.facts.max_model_len
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.facts.tokenizer is not None
+
+    @property
     def tokenizer(self) -> Tokenizer:
-        if self.engine.tokenizer is None:
+        if self.facts.tokenizer is None:
             raise APIError(HTTPStatus.BAD_REQUEST, "this model has no tokenizer: send token ids")
-        return self.engine.tokenizer
+        return self.facts.tokenizer
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.served_model_name:
@@ -147,7 +146,7 @@ class ServerContext:
             return
         stats, queued = self.engine_loop.load()
         in_flight = stats.num_running + stats.num_waiting + queued
-        would_wait = in_flight + num_sequences - self.engine.config.scheduler.max_running
+        would_wait = in_flight + num_sequences - self.facts.max_running
         if would_wait > max_waiting:
             raise APIError(
                 HTTPStatus.SERVICE_UNAVAILABLE,
@@ -167,7 +166,7 @@ class ServerContext:
 class Generation:
     def __init__(
         self,
-        engine_loop: EngineLoop,
+        engine_loop: EngineHandle,
         specs: list[PromptSpec],
         n: int,
         deadline: float | None,

@@ -2,8 +2,9 @@
 
 The families are vLLM's, named ``tokenmill:`` where vLLM says ``vllm:`` (same suffixes, types and
 buckets), so a vLLM dashboard ports by renaming the prefix; there is no ``model_name`` label (one model
-per server). Token counters and histograms are fed by the engine thread as steps run and deltas are
-routed (per-request ones when a request finishes); the engine's state (running / waiting requests, KV
+per server). Token counters and histograms are fed by the engine side's observations (``StepMetrics``,
+``record``) as steps run and deltas are routed (per-request ones when a request finishes); the engine's
+state (running / waiting requests, KV
 cache usage, preemptions, prefix-cache queries and hits in prompt tokens) is read when ``/metrics`` is
 scraped. Counters are exposed with the ``_total`` suffix.
 """
@@ -23,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tokenmill.outputs import SpecDecodeCounts
-from tokenmill.server.request_timeline import FinishedRequest
+from tokenmill.server.request_timeline import FinishedRequest, StepMetrics
 
 # The *_created series only repeat the process start time; vLLM drops them too.
 disable_created_metrics()
@@ -51,7 +52,7 @@ def one_two_five_buckets(limit: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine's state after the last step, published by the engine thread for readers elsewhere."""
+    """The engine's state after the last step, published by the engine side for readers elsewhere."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -204,6 +205,21 @@ class ServerMetrics:
             registry=self.registry,
         )
         (info.labels(**cache_config) if cache_config else info).set(1)
+
+    def record(self, observed: StepMetrics) -> None:
+        """Apply one pass of the engine loop's observations."""
+        if observed.prompt_tokens:
+            self.prompt_tokens.inc(observed.prompt_tokens)
+        if observed.generation_tokens:
+            self.generation_tokens.inc(observed.generation_tokens)
+        for tokens in observed.iteration_tokens:
+            self.iteration_tokens.observe(tokens)
+        for seconds in observed.time_to_first_token:
+            self.time_to_first_token.observe(seconds)
+        for seconds in observed.inter_token_latency:
+            self.inter_token_latency.observe(seconds)
+        for request in observed.finished:
+            self.request_finished(request)
 
     def request_finished(self, request: FinishedRequest) -> None:
         self.request_success.labels(finished_reason=request.finish_reason).inc()

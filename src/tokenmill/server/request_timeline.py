@@ -1,8 +1,10 @@
 """When each phase of one engine request happened, for the per-request metric families.
 
-The engine reports no scheduling events, so the engine thread infers them around each step: a request
+The engine reports no scheduling events, so the engine side infers them around each step: a request
 was scheduled at the start of the first step after which any of its sequences has computed tokens, and
 a step computed as many tokens as its sequences' computed counts grew by (prefix-cache hits not counted).
+What it observes is gathered as plain data (``StepMetrics``) that ``ServerMetrics.record`` applies: at
+once with the engine in a thread, after a trip down the pipe with the engine in its own process.
 """
 
 from collections.abc import Iterable
@@ -26,6 +28,18 @@ class FinishedRequest:
     decode_s: float  # first token to the last
     inference_s: float  # first scheduled to the last token
     e2e_s: float  # arrival to the last token
+
+
+@dataclass
+class StepMetrics:
+    """The metric observations of one pass of the engine loop (adds and a step)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    iteration_tokens: list[int] = field(default_factory=list)
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latency: list[float] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 A request sets at most one of them (two are a 400 naming the second). :func:`structured_outputs_of` turns
 it into ``StructuredOutputsParams`` and the request field it came from; :func:`check_grammar` compiles it
-on a worker thread (the backend caches it for the engine, whose thread then does not wait on a compile),
-so a bad schema, regex or grammar is a 400 naming that field before the request is queued.
+on a worker thread of the HTTP process (with the engine in a thread, its own compiler, which caches it
+for the engine; with the engine in its process, a compiler of this process), so a bad schema, regex or
+grammar is a 400 naming that field before the request is queued.
 """
 
 import asyncio
@@ -11,11 +12,11 @@ import dataclasses
 import json
 from typing import Any, NamedTuple
 
-from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol import ResponseFormat, SamplingRequest, StructuredOutputsRequest
 from tokenmill.structured.backend import StructuredOutputError
+from tokenmill.structured.manager import StructuredOutputs
 from tokenmill.structured.params import StructuredOutputsParams
 
 
@@ -87,20 +88,20 @@ def _from_guided(body: SamplingRequest) -> list[StructuredRequest | None]:
     ]
 
 
-async def check_grammar(engine: LLMEngine, request: StructuredRequest) -> None:
+async def check_grammar(grammars: StructuredOutputs, request: StructuredRequest) -> None:
     """Compile the constraint off the event loop (cached for the engine); a 400 naming its field if it
     does not compile or cannot be served (a model without a tokenizer)."""
     try:
-        await asyncio.to_thread(engine.structured_outputs.compile, request.params, request.field)
+        await asyncio.to_thread(grammars.compile, request.params, request.field)
     except StructuredOutputError as exc:
         raise bad_request(str(exc), request.field) from None
 
 
 async def constrained(
-    engine: LLMEngine, params: SamplingParams, request: StructuredRequest | None
+    grammars: StructuredOutputs, params: SamplingParams, request: StructuredRequest | None
 ) -> SamplingParams:
     """``params`` with the request's constraint, once it has compiled; unchanged without one."""
     if request is None:
         return params
-    await check_grammar(engine, request)
+    await check_grammar(grammars, request)
     return dataclasses.replace(params, structured_outputs=request.params)

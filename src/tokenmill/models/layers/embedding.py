@@ -1,4 +1,7 @@
-"""Token embeddings and the LM head, split over the vocabulary across tensor-parallel ranks."""
+"""Token embeddings and the LM head, split over the vocabulary across tensor-parallel ranks.
+
+The LM head is a linear projection: quantized like the linear layers when the model's quantization covers
+it and it is not tied to the embedding (a tied head reads the float embedding; embeddings stay float)."""
 
 import torch
 import torch.nn.functional as F
@@ -7,6 +10,8 @@ from torch import nn
 from tokenmill.distributed import all_gather_last_dim, all_reduce_sum, divide, tp_rank, tp_world_size
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.models.layers.linear import LinearProjection, ShardId
+from tokenmill.quantization import RowShard, lm_head_method
+from tokenmill.quantization.shards import layout_of
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -16,15 +21,17 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.local_vocab = divide(vocab_size, self.tp_size, "vocabulary size")
         self.vocab_start = tp_rank() * self.local_vocab
+        self.create_weight(dim)
+
+    def create_weight(self, dim: int) -> None:
         self.weight = nn.Parameter(torch.empty(self.local_vocab, dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
-            raise ValueError(
-                f"has shape {tuple(loaded.shape)} but the model expects {(self.vocab_size, param.shape[1])}"
-            )
-        param.data.copy_(loaded.narrow(0, self.vocab_start, self.local_vocab))
+        self.store(param, loaded, RowShard(self.vocab_size, self.vocab_start, self.local_vocab, 0))
+
+    def store(self, param: nn.Parameter, loaded: torch.Tensor, shard: RowShard) -> None:
+        layout_of(param).store(param, loaded, shard)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -45,6 +52,13 @@ class ParallelLMHead(VocabParallelEmbedding, LinearProjection):
     def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__(vocab_size, dim)
         self.configure(KernelOptions())
+
+    def create_weight(self, dim: int) -> None:
+        self.quant_method = lm_head_method()  # chosen by the model's build (tokenmill.quantization.context)
+        self.quant_method.create_weights(self, self.local_vocab, dim, self.weight_loader)
+
+    def store(self, param: nn.Parameter, loaded: torch.Tensor, shard: RowShard) -> None:
+        LinearProjection.store(self, param, loaded, shard)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return all_gather_last_dim(self.project(hidden)).float()

@@ -6,7 +6,12 @@ tensors one shard at a time. With one rank these are plain linear layers; model 
 
 Each projection runs on the path bound when configured (:class:`LinearProjection`): with
 ``KernelOptions.gemv``, inputs of at most ``GEMV_MAX_ROWS`` rows (small-batch decode) go through the
-Triton GEMV; with ``KernelOptions.prepacked_cpu_linear``, float32 CPU weights through oneDNN.
+Triton GEMV; with ``KernelOptions.prepacked_cpu_linear``, float32 CPU weights through oneDNN. A quantized
+layer (``quantization`` int8 / fp8) binds the path its method provides (:mod:`tokenmill.quantization`).
+
+Loaders say which rows (and, row-parallel, which columns) of a checkpoint tensor this rank keeps and where
+they go, as a :class:`RowShard`; the layer's quantization method stores them in its parameters' units
+(float rows, quantized rows and their scales, 128 x 128 blocks).
 """
 
 from collections.abc import Callable, Sequence
@@ -20,13 +25,19 @@ from tokenmill.distributed import all_reduce_sum, divide, kv_head_shard, tp_rank
 from tokenmill.kernels.options import GEMV_MAX_ROWS, KernelOptions
 from tokenmill.models.layers.cpu_linear import packed_linear, shared_packed_weight, supports_prepacking
 from tokenmill.models.layers.fusable import FusableLayer
+from tokenmill.quantization import UNQUANTIZED, LinearMethod, RowShard, linear_method
 
 ShardId = str | int | None
 
 
-def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the Triton GEMV takes ``x @ weight.T``: at most ``GEMV_MAX_ROWS`` rows, the weight's dtype."""
-    return x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype
+def gemv_fits(x: torch.Tensor, layer: "LinearProjection") -> bool:
+    """Whether the Triton GEMV takes ``x @ layer.weight.T``: at most ``GEMV_MAX_ROWS`` rows, and a weight
+    of x's dtype or an 8-bit one with a scale per row that the GEMV applies (per-channel int8 / fp8)."""
+    if x.dim() != 2 or x.shape[0] > GEMV_MAX_ROWS:
+        return False
+    if layer.quant_method.quantized:
+        return layer.quant_method.gemv_scale is not None
+    return x.dtype == layer.weight.dtype
 
 
 def check_shape(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -54,22 +65,21 @@ def _parameter(*shape: int) -> nn.Parameter:
 
 class LinearProjection(FusableLayer):
     """``x W^T (+ b)`` with this rank's weight, on the path bound by :meth:`configure`: the Triton GEMV for
-    the rows it takes, oneDNN's packed copy of a float32 CPU weight, or ``F.linear``.
+    the rows it takes, oneDNN's packed copy of a float32 CPU weight, ``F.linear``, or for a quantized
+    weight its method's path.
 
-    Linear layers and the LM head share these paths; a subclass provides ``weight`` and the bias it adds.
+    Linear layers and the LM head share these paths; a subclass provides ``weight`` (created by its
+    ``quant_method``) and the bias it adds.
     """
 
     weight: nn.Parameter
+    quant_method: LinearMethod = UNQUANTIZED
     gemv_out_dtype: ClassVar[torch.dtype | None] = None  # the GEMV's output dtype (None: the input's)
 
     def configure(self, options: KernelOptions) -> None:
         self.pdl = options.pdl  # launch the GEMV programmatically dependent (tokenmill.kernels.launch)
         self.packed_weight: torch.Tensor | None = None  # oneDNN copy of weight (cpu_linear), when prepacked
-        if options.prepacked_cpu_linear and supports_prepacking(self.weight):
-            self.packed_weight = shared_packed_weight(self.weight)
-        self._matmul: Callable[[torch.Tensor], torch.Tensor] = (
-            self.project_torch if self.packed_weight is None else self.project_packed
-        )
+        self._matmul: Callable[[torch.Tensor], torch.Tensor] = self._bind_matmul(options)
         self._project = self._matmul
         if options.gemv:
             from tokenmill.kernels.gemv import gemv
@@ -77,9 +87,27 @@ class LinearProjection(FusableLayer):
             self._gemv_kernel = gemv
             self._project = self.project_gemv
 
+    def _bind_matmul(self, options: KernelOptions) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The matmul for any rows: a quantized method's path, else oneDNN's packed copy or ``F.linear``."""
+        if self.quant_method.quantized:
+            return self.quant_method.matmul_path(self, options)
+        if options.prepacked_cpu_linear and supports_prepacking(self.weight):
+            self.packed_weight = shared_packed_weight(self.weight)
+            return self.project_packed
+        return self.project_torch
+
+    def store(self, param: nn.Parameter, loaded: torch.Tensor, shard: RowShard) -> None:
+        """Store the rows ``shard`` names of ``loaded`` into ``param``, in the quantization's format."""
+        self.quant_method.load(self, param, loaded, shard)
+
     def local_bias(self) -> torch.Tensor | None:
         """The bias this rank adds (row-parallel layers add it on one rank only)."""
         return None
+
+    def gemv_weight_scale(self) -> torch.Tensor | None:
+        """The scale per output row the GEMV applies to an 8-bit weight (None: a float weight)."""
+        name = self.quant_method.gemv_scale
+        return None if name is None else getattr(self, name)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's ``x W^T + b``, before the ranks' outputs are combined."""
@@ -95,10 +123,15 @@ class LinearProjection(FusableLayer):
     def project_gemv(self, x: torch.Tensor) -> torch.Tensor:
         """The GEMV for inputs it takes (:func:`gemv_fits`); more rows read the weight once through the
         matmul bound beside it."""
-        if not gemv_fits(x, self.weight):
+        if not gemv_fits(x, self):
             return self._matmul(x)
         return self._gemv_kernel(
-            x, self.weight, self.local_bias(), pdl=self.pdl, out_dtype=self.gemv_out_dtype
+            x,
+            self.weight,
+            self.local_bias(),
+            pdl=self.pdl,
+            out_dtype=self.gemv_out_dtype,
+            weight_scale=self.gemv_weight_scale(),
         )
 
 
@@ -107,8 +140,9 @@ class LinearBase(LinearProjection):
 
     def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
         super().__init__()
-        self.weight = _parameter(out_local, in_local)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.in_local, self.out_local = in_local, out_local
+        self.quant_method = linear_method()  # chosen by the model's build (tokenmill.quantization.context)
+        self.quant_method.create_weights(self, out_local, in_local, self.weight_loader)
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = _parameter(out_local)
@@ -138,10 +172,8 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, divide(out_features, self.tp_size, "output features"), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        rows = param.shape[0]
-        if loaded.shape[0] != rows * self.tp_size:
-            raise ValueError(f"has shape {tuple(loaded.shape)}; expected {rows * self.tp_size} rows")
-        default_weight_loader(param, loaded.narrow(0, self.tp_rank * rows, rows))
+        rows = self.out_local
+        self.store(param, loaded, RowShard(rows * self.tp_size, self.tp_rank * rows, rows, 0))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -153,20 +185,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.local_sizes = [size // self.tp_size for size in self.output_sizes]  # the rows this rank holds
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        if shard_id is None:  # the checkpoint already stores the fused tensor
-            if loaded.shape[0] != sum(self.output_sizes):
-                raise ValueError(f"has shape {tuple(loaded.shape)}; expected {sum(self.output_sizes)} rows")
-            for index, part in enumerate(loaded.split(self.output_sizes, dim=0)):
-                self.weight_loader(param, part, index)
+        if shard_id is None:  # the checkpoint already stores the fused tensor: each part in turn
+            full = sum(self.output_sizes)
+            for index in range(len(self.output_sizes)):
+                self.store(param, loaded, self._shard(index, full, sum(self.output_sizes[:index])))
             return
         assert isinstance(shard_id, int)
-        local = self.output_sizes[shard_id] // self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        target = param.data.narrow(0, offset, local)
-        expected = (self.output_sizes[shard_id], *param.shape[1:])
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {expected}")
-        target.copy_(loaded.narrow(0, self.tp_rank * local, local))
+        self.store(param, loaded, self._shard(shard_id, self.output_sizes[shard_id], 0))
+
+    def _shard(self, index: int, full_rows: int, part_start: int) -> RowShard:
+        """Part ``index`` (starting at row ``part_start`` of a tensor of ``full_rows``): this rank's rows."""
+        local = self.local_sizes[index]
+        return RowShard(full_rows, part_start + self.tp_rank * local, local, sum(self.local_sizes[:index]))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -187,19 +217,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         LinearBase.__init__(self, hidden_size, sum(self.local_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        if shard_id is None:  # the checkpoint already stores the fused tensor
-            if loaded.shape[0] != sum(self.full_sizes):
-                raise ValueError(f"has shape {tuple(loaded.shape)}; expected {sum(self.full_sizes)} rows")
-            for index, part in enumerate(loaded.split(self.full_sizes, dim=0)):
-                self.weight_loader(param, part, index)
+        if shard_id is None:  # the checkpoint already stores the fused tensor: each part in turn
+            full = sum(self.full_sizes)
+            for index in range(3):
+                self.store(param, loaded, self._shard(index, full, sum(self.full_sizes[:index])))
             return
         index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
-        expected = (self.full_sizes[index], *param.shape[1:])
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {expected}")
-        size = self.local_sizes[index]
-        target = param.data.narrow(0, sum(self.local_sizes[:index]), size)
-        target.copy_(loaded.narrow(0, self.source_starts[index], size))
+        self.store(param, loaded, self._shard(index, self.full_sizes[index], 0))
+
+    def _shard(self, index: int, full_rows: int, part_start: int) -> RowShard:
+        """Part ``index`` (starting at row ``part_start`` of a tensor of ``full_rows``): this rank's rows."""
+        start = part_start + self.source_starts[index]
+        return RowShard(full_rows, start, self.local_sizes[index], sum(self.local_sizes[:index]))
 
 
 class RowParallelLinear(LinearBase):
@@ -211,12 +240,10 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(in_features, self.tp_size, "input features"), out_features, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        if param.dim() == 2 and self.tp_size > 1:
-            cols = param.shape[1]
-            if loaded.shape[1] != cols * self.tp_size:
-                raise ValueError(f"has shape {tuple(loaded.shape)}; expected {cols * self.tp_size} columns")
-            loaded = loaded.narrow(1, self.tp_rank * cols, cols)
-        default_weight_loader(param, loaded)
+        """Every row, this rank's columns (a bias or per-row scale has no columns: all of it)."""
+        cols = self.in_local
+        columns = (cols * self.tp_size, self.tp_rank * cols, cols)
+        self.store(param, loaded, RowShard(self.out_local, 0, self.out_local, 0, columns))
 
     def local_bias(self) -> torch.Tensor | None:
         return self.bias if self.tp_rank == 0 else None

@@ -1,0 +1,5 @@
+import sys
+
+from tokenmill.benchmarks.accuracy.command import main
+
+sys.exit(main())

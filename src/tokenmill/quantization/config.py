@@ -1,0 +1,75 @@
+"""Which quantization a model is built with: the user's choice and the checkpoint's, reconciled.
+
+``quantization`` is named as vLLM names it: ``none`` (float weights, or a pre-quantized checkpoint as it
+is published), ``int8`` and ``fp8`` (quantize float weights at load, per channel; on a checkpoint
+published in that format, load it as published), ``gguf`` (GGUF blocks kept packed on the CPU).
+"""
+
+import typing
+from dataclasses import dataclass
+
+from tokenmill.config import QuantizationMethod
+from tokenmill.errors import ModelLoadError
+from tokenmill.quantization.block_fp8 import Fp8BlockLinearMethod
+from tokenmill.quantization.method import UNQUANTIZED, LinearMethod
+from tokenmill.quantization.per_channel import Fp8LinearMethod, Int8LinearMethod
+
+QuantizationName = QuantizationMethod
+QUANTIZATION_METHODS: tuple[str, ...] = typing.get_args(QuantizationMethod)
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """``method``: the format; ``prequantized``: the checkpoint publishes quantized weights and scales;
+    ``weight_block``: block-scaled fp8's block (None: per-channel scales); ``dynamic_activations``: the
+    PyTorch paths round each input per token as a W8A8 GEMM would (an emulation, for measuring accuracy);
+    ``quantize_lm_head``: an LM head not tied to the embedding is quantized too."""
+
+    method: str = "none"
+    prequantized: bool = False
+    weight_block: tuple[int, int] | None = None
+    dynamic_activations: bool = False
+    quantize_lm_head: bool = True
+
+    def linear_method(self) -> LinearMethod:
+        if self.method == "int8":
+            return Int8LinearMethod(self.prequantized, self.dynamic_activations)
+        if self.method == "fp8" and self.weight_block is not None:
+            return Fp8BlockLinearMethod(self.weight_block)
+        if self.method == "fp8":
+            return Fp8LinearMethod(self.prequantized, self.dynamic_activations)
+        return UNQUANTIZED
+
+    def lm_head_method(self, tied: bool, linear: LinearMethod) -> LinearMethod:
+        """``linear`` for an untied head this config quantizes; a tied head reads the float embedding."""
+        return linear if self.quantize_lm_head and not tied else UNQUANTIZED
+
+
+NO_QUANTIZATION = QuantizationConfig()
+
+
+def resolve_quantization(
+    requested: "str | QuantizationConfig", published: QuantizationConfig | None, source: str
+) -> QuantizationConfig:
+    """The config to build with: ``requested`` (a name or a config) against what the checkpoint
+    ``published`` (None: float weights). A pre-quantized checkpoint loads as published; asking for another
+    format than its own is an error, not a silent re-quantization."""
+    wanted = requested if isinstance(requested, QuantizationConfig) else _named(requested)
+    if wanted.method == "gguf":
+        raise ModelLoadError(
+            "quantization 'gguf' (GGUF blocks kept packed on the CPU) is not available in this build yet"
+        )
+    if published is None:
+        return wanted
+    if wanted.method not in ("none", published.method):
+        raise ModelLoadError(
+            f"{source}: the checkpoint is pre-quantized as '{published.method}'; quantization "
+            f"'{wanted.method}' cannot be applied on top (use 'none' or '{published.method}')"
+        )
+    return published
+
+
+def _named(name: str) -> QuantizationConfig:
+    if name not in QUANTIZATION_METHODS:
+        raise ModelLoadError(f"quantization '{name}' is not one of: {', '.join(QUANTIZATION_METHODS)}")
+    return QuantizationConfig(name)

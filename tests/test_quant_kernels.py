@@ -1,0 +1,186 @@
+"""The 8-bit weight kernels against PyTorch references: the GEMV reading int8 / float8 weights with a scale
+per row, per-token activation quantization, and the W8A8 projections built on them.
+
+Without CUDA the Triton kernels run in the interpreter on small CPU tensors. The interpreter converts
+float32 to float8 wrongly (124.3 becomes 64), so the float8 quantization kernel is checked on CUDA only;
+float8 *loads* (the GEMV's weights) convert correctly there and are checked everywhere.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from tokenmill.kernels import interpreter_enabled, triton_available
+
+if not triton_available():
+    pytest.skip("triton cannot run here (no CUDA, TRITON_INTERPRET unset)", allow_module_level=True)
+
+from tokenmill.kernels.gemv import GemvConfig, gated_gemv, gemv, rms_norm_gemv
+from tokenmill.kernels.quantize_rows import Q_MAX, quantize_rows, quantize_rows_reference
+from tokenmill.kernels.scaled_matmul import fp8_linear, int8_linear, w8a8_linear_reference
+from tokenmill.models.layers.activation import SiluAndMul
+from tokenmill.models.layers.norm import RMSNorm
+
+ON_CUDA = torch.cuda.is_available() and not interpreter_enabled()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+ACT_DTYPE = torch.bfloat16 if ON_CUDA else torch.float32
+WEIGHT_DTYPES = [torch.int8, torch.float8_e4m3fn]
+SMALL_GEMV = GemvConfig(block_n=8, block_k=32, num_warps=4, num_stages=1)
+
+
+def quantize_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The naive per-output-channel symmetric quantization the layers' loaders make."""
+    scale = weight.float().abs().amax(dim=1) / Q_MAX[dtype]
+    scaled = weight.float() / scale[:, None]
+    quantized = scaled.round().to(dtype) if dtype == torch.int8 else scaled.to(dtype)
+    return quantized, scale
+
+
+def dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return weight.float() * scale[:, None]
+
+
+def _close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Float32 accumulation of the same products; rounded once to the activation dtype."""
+    largest = expected.abs().max().item()
+    atol = 2**-7 * largest if out.dtype == torch.bfloat16 else 1e-5 * largest
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+@pytest.mark.parametrize("shape", [(40, 96), (33, 200), (130, 1000)])
+@pytest.mark.parametrize("config", [None, SMALL_GEMV], ids=["default", "small"])
+def test_gemv_reads_8bit_weights(weight_dtype: torch.dtype, shape: tuple[int, int], config) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(1)
+    out_features, in_features = shape
+    x = torch.randn(1, in_features, device=DEVICE, dtype=ACT_DTYPE)
+    weight, scale = quantize_per_channel(torch.randn(out_features, in_features, device=DEVICE), weight_dtype)
+    bias = torch.randn(out_features, device=DEVICE, dtype=ACT_DTYPE)
+    out = gemv(x, weight, bias, config, weight_scale=scale)
+    assert out.dtype == ACT_DTYPE
+    _close(out, x.float() @ dequantized(weight, scale).t() + bias.float())
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_fused_gemvs_read_8bit_weights(weight_dtype: torch.dtype) -> None:
+    """The RMSNorm and SwiGLU prologues are unchanged by the weight's format."""
+    torch.manual_seed(2)
+    x = torch.randn(1, 96, device=DEVICE, dtype=ACT_DTYPE)
+    residual = torch.randn_like(x)
+    norm = RMSNorm(96, 1e-6).to(device=DEVICE, dtype=ACT_DTYPE)
+    torch.nn.init.normal_(norm.weight)
+    weight, scale = quantize_per_channel(torch.randn(40, 96, device=DEVICE), weight_dtype)
+    out, _ = rms_norm_gemv(x, weight, norm.weight, norm.eps, residual, weight_scale=scale)
+    normed, _ = norm(x.clone(), residual.clone())
+    _close(out, normed.float() @ dequantized(weight, scale).t())
+    gate_up = torch.randn(1, 192, device=DEVICE, dtype=ACT_DTYPE)
+    out = gated_gemv(gate_up, weight, "silu", weight_scale=scale)
+    _close(out, SiluAndMul()(gate_up).float() @ dequantized(weight, scale).t())
+
+
+def test_gemv_refuses_an_8bit_weight_without_its_scale() -> None:
+    x = torch.randn(1, 16, device=DEVICE)
+    weight = torch.zeros(8, 16, device=DEVICE, dtype=torch.int8)
+    with pytest.raises(ValueError, match="needs a float32 scale per row"):
+        gemv(x, weight)
+    with pytest.raises(ValueError, match="needs a float32 scale per row"):
+        gemv(x, weight, weight_scale=torch.ones(4, device=DEVICE))
+    with pytest.raises(ValueError, match="8-bit weights only"):
+        gemv(x, torch.zeros(8, 16, device=DEVICE), weight_scale=torch.ones(8, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("shape", [(5, 96), (3, 3000), (1, 7)])
+def test_quantize_rows_matches_the_reference(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    if dtype == torch.float8_e4m3fn and not ON_CUDA:
+        pytest.skip("the interpreter's float32 -> float8 conversion is wrong (see the module docstring)")
+    torch.manual_seed(3)
+    x = torch.randn(*shape, device=DEVICE, dtype=ACT_DTYPE) * 3
+    x[0, : shape[1] // 2] = 0  # a partly zero row, and below a whole zero row
+    if shape[0] > 2:
+        x[2] = 0
+    q, scales = quantize_rows(x, dtype)
+    q_ref, scales_ref = quantize_rows_reference(x, dtype)
+    assert q.dtype == dtype and scales.shape == (shape[0], 1)
+    assert torch.equal(scales, scales_ref)
+    assert torch.equal(q.float(), q_ref.float())
+    # Dequantized, each row is within half a step (of its own scale) of the input.
+    step = scales if dtype == torch.int8 else scales * 32  # e4m3: 3 mantissa bits, values up to 448
+    assert bool(((q.float() * scales - x.float()).abs() <= step / 2 + 1e-6).all())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_int8_linear_matches_the_w8a8_reference(rows: int) -> None:
+    """Padded to the rows ``torch._int_mm`` takes, then cut back: the row count does not change a row."""
+    torch.manual_seed(4)
+    x = torch.randn(rows, 64, device=DEVICE, dtype=ACT_DTYPE)
+    weight, scale = quantize_per_channel(torch.randn(48, 64, device=DEVICE), torch.int8)
+    bias = torch.randn(48, device=DEVICE, dtype=ACT_DTYPE)
+    out = int8_linear(x, weight, scale, bias)
+    _close(out, w8a8_linear_reference(x, weight, scale, bias))
+    _close(int8_linear(x[:1], weight, scale, bias), out[:1])
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="float8 quantization kernel: CUDA only (see the module docstring)")
+@pytest.mark.parametrize("rows", [1, 16, 40])
+def test_fp8_linear_matches_the_w8a8_reference(rows: int) -> None:
+    torch.manual_seed(5)
+    x = torch.randn(rows, 64, device=DEVICE, dtype=ACT_DTYPE)
+    weight, scale = quantize_per_channel(torch.randn(48, 64, device=DEVICE), torch.float8_e4m3fn)
+    bias = torch.randn(48, device=DEVICE, dtype=ACT_DTYPE)
+    _close(fp8_linear(x, weight, scale, bias), w8a8_linear_reference(x, weight, scale, bias))
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_gemv_converts_every_8bit_value_exactly(weight_dtype: torch.dtype) -> None:
+    """The GEMV's integer-add conversions (not the conversion instructions) give every finite value,
+    subnormal float8 included: a weight column of all of them times 1.0."""
+    every_byte = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    values = every_byte if weight_dtype == torch.int8 else every_byte.view(torch.float8_e4m3fn)
+    values = values[~values.float().isnan()]
+    weight = values.view(-1, 1).to(DEVICE)
+    x = torch.ones(1, 1, device=DEVICE, dtype=ACT_DTYPE)
+    out = gemv(x, weight, out_dtype=torch.float32, weight_scale=torch.ones(len(values), device=DEVICE))
+    assert torch.equal(out.view(-1).cpu(), values.float())
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_a_quantized_model_decodes_through_the_gemv(mode: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Every one-row projection of a quantized tiny Llama (fused norm and activation prologues, the LM
+    head) runs the GEMV on its 8-bit weight, and gives the dequantized reference's logits."""
+    from tiny_models import save_tiny_model
+    from tokenmill.attention import AttentionMetadata, ForwardContext, TorchAttentionBackend, forward_context
+    from tokenmill.kernels import gemv as gemv_module
+    from tokenmill.kernels.options import KernelOptions
+    from tokenmill.loading import load_model
+
+    save_tiny_model("llama3", tmp_path)
+    model = load_model(tmp_path, quantization=mode, device=DEVICE, dtype="float32").model
+    calls: list[bool] = []
+    for name in ("gemv", "rms_norm_gemv", "gated_gemv"):
+        kernel = getattr(gemv_module, name)
+
+        def counting(*args, _kernel=kernel, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(kwargs.get("weight_scale") is not None)
+            return _kernel(*args, **kwargs)
+
+        setattr(gemv_module, name, counting)
+    try:
+        with_gemv = model.with_kernels(KernelOptions(gemv=True))
+    finally:
+        for name in ("gemv", "rms_norm_gemv", "gated_gemv"):
+            setattr(gemv_module, name, getattr(gemv_module, name).__kwdefaults__["_kernel"])
+    tokens, positions = torch.tensor([17], device=DEVICE), torch.tensor([0], device=DEVICE)
+    results = []
+    for configured in (model, with_gemv):
+        metadata = AttentionMetadata.for_prefill([1], DEVICE)
+        with torch.inference_mode(), forward_context(ForwardContext(metadata, TorchAttentionBackend())):
+            results.append(configured.compute_logits(configured(tokens, positions)))
+    num_layers = len(model.model.layers)
+    assert len(calls) == 4 * num_layers + 1 and all(calls)  # qkv, o, gate_up, down per layer; the head
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
