@@ -14,14 +14,15 @@ the batch. OpenMP splits output rows across torch's intra-op threads; the librar
 ``libgomp.so.1`` that torch has already loaded, so both share one thread pool.
 
 The compiler is the one Inductor uses (``cc``, i.e. ``$CC`` or ``gcc``); the shared object is cached under
-``~/.cache/tokenmill/kernels`` by a hash of its source and flags. :func:`load_kernel` returns None where it
-cannot be built, and callers fall back to PyTorch.
+``~/.cache/tokenmill/kernels`` by a hash of its source, flags and the CPU's features. :func:`load_kernel`
+returns None where it cannot be built, and callers fall back to PyTorch.
 """
 
 import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -180,6 +181,16 @@ int gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* codes, cons
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
+def _cpu_features() -> str:
+    """What ``-march=native`` compiles for: a cached library must not run on another CPU (a shared home
+    directory across machines), so the CPU's flags are part of its name."""
+    try:
+        with Path("/proc/cpuinfo").open() as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), platform.machine())
+    except OSError:
+        return platform.machine()
+
+
 def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill" / "kernels"
 
@@ -200,7 +211,7 @@ def _build(target: Path) -> None:
 @cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel (built once per source and flags), or None where it cannot be built."""
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_features()).encode()).hexdigest()[:16]
     target = _cache_dir() / f"gguf_linear_{digest}.so"
     try:
         if not target.is_file():
