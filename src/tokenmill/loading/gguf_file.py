@@ -3,7 +3,9 @@ followed by aligned tensor data that stays memory-mapped until a tensor is asked
 
 gguf-py's ``GGUFReader`` builds a numpy view for every element of every metadata array, which takes
 seconds on a 262k-token vocabulary; walking the header once with ``struct`` takes a fraction of that.
-Dequantization is left to gguf-py (``gguf.quants.dequantize``).
+Dequantization is left to gguf-py (``gguf.quants.dequantize``); :meth:`GGUFFile.read_blocks` hands out a
+tensor's quantized blocks as they are stored, for layers that compute on them without dequantizing
+(``tokenmill.quantization.gguf_packed``).
 """
 
 import mmap
@@ -208,3 +210,11 @@ class GGUFFile:
             ) from None
         values = values.astype(np.float32, copy=False).reshape(info.shape)
         return values if values.flags.writeable else values.copy()
+
+    def read_blocks(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The tensor's stored bytes, one row per output row: a read-only uint8 view of the mapped file of
+        shape ``(rows, row_bytes)``, where a row of ``info.shape[-1]`` values is a whole number of
+        ``info.qtype`` blocks (the reader checked that). Nothing is dequantized or copied."""
+        rows = prod(info.dims[1:])
+        raw = np.frombuffer(self._buffer, np.uint8, info.nbytes, info.offset)
+        return raw.reshape(rows, info.nbytes // rows)

@@ -1,0 +1,154 @@
+"""GGUF weights kept in their 4- and 8-bit codes on the CPU, and the linear layer that computes on them.
+
+A float32 projection reads 4 bytes per weight at every decode step; SmolLM2's Q4_1 codes with fp16 group
+factors take 0.625. PyTorch's CPU weight-only kernels do not fit these formats:
+``_weight_int4pack_mm_for_cpu`` is vectorized for bfloat16 only (activations, output and group factors in
+bfloat16, which cannot hold GGUF's fp16 scales, let alone Q4_K's products of them), and its float32 path is
+a scalar loop, ~50x slower than float32 oneDNN; ``_weight_int8pack_mm`` has one scale per output channel,
+not per group of 32. The kernel is therefore tokenmill's own (``gguf_cpu_kernel.py``): it reads the codes,
+forms each weight as ``code * scale + offset`` (the exact float32 weight of :mod:`gguf_blocks`) in vector
+registers and multiplies it into up to four input rows at once; no float32 copy of the weight is stored.
+
+Exactness: the weights are bit-identical to gguf-py's dequantized float32 (a one-hot input row returns a
+weight column exactly); results differ from ``F.linear`` on those weights by float32 summation order only.
+Each output element is one reduction over the input, in an order fixed by the kernel, so a row's
+result does not depend on how many rows share the call (the same discipline as ``prepacked_cpu_linear``).
+"""
+
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from tokenmill.quantization.gguf_blocks import DecodedBlocks, GGUFBlocks, concat_rows, decode_blocks
+from tokenmill.quantization.gguf_cpu_kernel import load_kernel, run_kernel
+
+
+@dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """A ``[out_features, in_features]`` weight as GGUF codes with per-group factors: 4-bit codes two per
+    byte (``codes`` uint8 ``[out, groups, group // 2]``) or int8 codes (``[out, groups, group]``); ``scale``
+    and ``offset`` ``[out, groups]`` in float16 where that holds them exactly, else float32."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group: int
+    qtype: GGMLQuantizationType
+
+    @property
+    def four_bit(self) -> bool:
+        return self.codes.dtype == torch.uint8
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * self.group
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a full pass over the weight reads."""
+        extra = 0 if self.offset is None else self.offset.nbytes
+        return self.codes.nbytes + self.scale.nbytes + extra
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, self.dequantize(), bias)`` for float32 ``x`` of shape ``[..., in_features]``,
+        without forming the float32 weight."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features; the weight takes {self.in_features}")
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        library = load_kernel()
+        if library is None:  # no compiler: the same weights, through a float32 copy made per call
+            out = F.linear(rows, self.dequantize())
+        else:
+            out = run_kernel(library, rows, self.codes, self.scale, self.offset, self.group)
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight (or its ``rows``, e.g. embedding lookups of a tied LM head), bit for bit
+        gguf-py's dequantization."""
+        codes = self.codes if rows is None else self.codes[rows]
+        scale = (self.scale if rows is None else self.scale[rows]).float()[..., None]
+        if self.four_bit:
+            codes = torch.cat([codes & 15, codes >> 4], dim=-1)
+        weight = codes.float() * scale
+        if self.offset is not None:
+            weight = weight + (self.offset if rows is None else self.offset[rows]).float()[..., None]
+        return weight.reshape(*weight.shape[:-2], self.in_features)
+
+
+def _compact(factors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float16 when every value survives the round trip (GGUF's own fp16 scales do), else float32; one
+    dtype for a weight's scale and offset."""
+    halves = [factor.half() for factor in factors]
+    exact = all(torch.equal(half.float(), factor) for half, factor in zip(halves, factors, strict=True))
+    return halves if exact else factors
+
+
+def _pack_codes(decoded: DecodedBlocks) -> torch.Tensor:
+    rows, cols = decoded.codes.shape
+    groups = decoded.codes.view(rows, cols // decoded.group, decoded.group)
+    if not decoded.four_bit:
+        return groups.contiguous()
+    half = decoded.group // 2
+    return groups[..., :half] | (groups[..., half:] << 4)
+
+
+def pack_blocks(blocks: GGUFBlocks) -> PackedWeight:
+    """A rank's (or the whole) weight from its GGUF blocks; see :class:`PackedWeight`."""
+    decoded = decode_blocks(blocks)
+    scale, *offset = _compact([decoded.scale] + ([] if decoded.offset is None else [decoded.offset]))
+    codes = _pack_codes(decoded)
+    return PackedWeight(codes, scale, offset[0] if offset else None, decoded.group, blocks.qtype)
+
+
+def pack_gguf_tensor(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> PackedWeight:
+    """A packed weight from a GGUF tensor's stored bytes (``GGUFFile.read_blocks``) and its row-major
+    ``shape`` (``GGUFTensorInfo.shape``; leading dimensions are flattened into output rows)."""
+    rows, cols = prod(shape[:-1]), shape[-1]
+    return pack_blocks(GGUFBlocks(np.asarray(raw).reshape(rows, -1), qtype, rows, cols))
+
+
+@dataclass(frozen=True, eq=False)
+class PackedRows:
+    """A fused weight (q/k/v, gate/up) whose parts are stored in different GGUF formats, as Gemma 3's
+    Q5_0 q/k and Q8_0 v are: each part is packed alone and their outputs are concatenated. Parts of one
+    format are better stacked before packing (``concat_rows``), which makes one kernel call."""
+
+    parts: tuple[PackedWeight, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.cat([part.linear(x) for part in self.parts], dim=-1)
+        return out if bias is None else out + bias
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+
+def pack_parts(parts: list[GGUFBlocks]) -> PackedWeight | PackedRows:
+    """The fused weight of ``parts`` stacked by rows: one packed weight when they share a format, else
+    one per run of parts that do."""
+    runs: list[list[GGUFBlocks]] = []
+    for part in parts:
+        if runs and runs[-1][0].qtype == part.qtype:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    packed = tuple(pack_blocks(concat_rows(run)) for run in runs)
+    return packed[0] if len(packed) == 1 else PackedRows(packed)

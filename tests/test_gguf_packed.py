@@ -1,0 +1,210 @@
+"""GGUF weights kept packed: the raw blocks, their slices, and the packed linear layer, each compared with
+gguf-py's float32 dequantization of the same bytes (the independent reference)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from tokenmill.loading.gguf_checkpoint import unpermute_rotary_rows
+from tokenmill.loading.gguf_file import GGUFFile
+from tokenmill.quantization.gguf_blocks import GGUFBlocks, concat_rows, decode_blocks
+from tokenmill.quantization.gguf_packed import (
+    PackedRows,
+    PackedWeight,
+    pack_blocks,
+    pack_gguf_tensor,
+    pack_parts,
+)
+
+Q = GGMLQuantizationType
+QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)
+# Where the fp16 factors sit in a block of the formats gguf-py cannot quantize (the rest is random bits).
+_K_QUANT_FP16_FIELDS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def make_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> GGUFBlocks:
+    rng = np.random.default_rng(seed)
+    if qtype in _K_QUANT_FP16_FIELDS:
+        block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (rows, cols // block_size, block_bytes), dtype=np.uint8)
+        for field in _K_QUANT_FP16_FIELDS[qtype]:
+            factors = (rng.standard_normal((rows, cols // block_size, 1)) * 0.01).astype(np.float16)
+            raw[:, :, field : field + 2] = factors.view(np.uint8)
+        raw = raw.reshape(rows, -1)
+    else:
+        raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    return GGUFBlocks(raw, qtype, rows, cols)
+
+
+def reference(blocks: GGUFBlocks) -> torch.Tensor:
+    return torch.from_numpy(dequantize(np.ascontiguousarray(blocks.data), blocks.qtype)).view(
+        blocks.rows, blocks.cols
+    )
+
+
+def summation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The float32 rounding any summation order may incur: K * eps * sum |x| |w| per output."""
+    return x.abs() @ weight.abs().t() * weight.shape[1] * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_decoded_codes_rebuild_the_reference_weights_bit_for_bit(qtype: GGMLQuantizationType) -> None:
+    blocks = make_blocks(qtype, 6, 512)
+    decoded = decode_blocks(blocks)
+    weight = decoded.codes.float() * decoded.scale.repeat_interleave(decoded.group, 1)
+    if decoded.offset is not None:
+        weight = weight + decoded.offset.repeat_interleave(decoded.group, 1)
+    assert torch.equal(weight, reference(blocks))
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_packed_linear_uses_the_reference_weights_and_rows_do_not_depend_on_the_batch(
+    qtype: GGMLQuantizationType,
+) -> None:
+    blocks = make_blocks(qtype, 40, 512)
+    weight, packed = reference(blocks), pack_blocks(blocks)
+    assert (packed.out_features, packed.in_features) == (40, 512)
+    assert torch.equal(packed.dequantize(), weight)
+    # A one-hot row picks one weight column: exact only if the kernel forms exactly the reference weights.
+    assert torch.equal(packed.linear(torch.eye(512)), weight.t())
+    x = torch.randn(9, 512)
+    out = packed.linear(x)
+    assert ((out - F.linear(x, weight)).abs() <= summation_bound(x, weight)).all()
+    for rows in (1, 2, 3, 4, 5, 8):
+        assert torch.equal(packed.linear(x[:rows]), out[:rows])
+    bias = torch.randn(40)
+    assert torch.equal(packed.linear(x.view(3, 3, 512), bias), (out + bias).view(3, 3, 40))
+
+
+def test_packed_bytes_per_weight() -> None:
+    sizes = {q: pack_blocks(make_blocks(q, 4, 512)).nbytes / (4 * 512) for q in QTYPES}
+    assert sizes[Q.Q4_1] == sizes[Q.Q4_0] == 0.625  # nibbles + fp16 scale and offset per 32
+    assert sizes[Q.Q8_0] == sizes[Q.Q5_0] == 1.0625  # int8 + an fp16 scale per 32
+    assert sizes[Q.Q4_K] == 0.75  # its products of fp16 and 6-bit scales need float32
+    assert sizes[Q.Q6_K] == 1.25  # int8 + a float32 scale per 16
+
+
+@pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K), ids=lambda q: q.name)
+def test_shards_are_slices_of_the_weight_and_row_parallel_parts_sum_to_the_whole(
+    qtype: GGMLQuantizationType,
+) -> None:
+    blocks = make_blocks(qtype, 24, 1024, seed=1)
+    weight = reference(blocks)
+    top, bottom = blocks.narrow_rows(0, 10), blocks.narrow_rows(10, 14)
+    assert torch.equal(pack_blocks(top).dequantize(), weight[:10])
+    assert torch.equal(reference(bottom), weight[10:])
+    left, right = blocks.narrow_cols(0, 512), blocks.narrow_cols(512, 512)
+    assert torch.equal(pack_blocks(right).dequantize(), weight[:, 512:])
+    x = torch.randn(4, 1024)
+    partial = pack_blocks(left).linear(x[:, :512]) + pack_blocks(right).linear(x[:, 512:])
+    assert ((partial - F.linear(x, weight)).abs() <= summation_bound(x, weight)).all()
+    corner = blocks.narrow_rows(4, 8).narrow_cols(256, 256)
+    assert torch.equal(pack_blocks(corner).dequantize(), weight[4:12, 256:512])
+
+
+def test_slices_off_block_boundaries_or_outside_the_tensor_are_refused() -> None:
+    blocks = make_blocks(Q.Q4_K, 4, 512)
+    with pytest.raises(ValueError, match="block boundaries"):
+        blocks.narrow_cols(32, 256)
+    with pytest.raises(ValueError, match="outside"):
+        blocks.narrow_cols(256, 512)
+    with pytest.raises(ValueError, match="outside"):
+        blocks.narrow_rows(2, 3)
+    with pytest.raises(ValueError, match="do not hold"):
+        GGUFBlocks(blocks.data, Q.Q4_K, 4, 256)
+
+
+def test_row_order_undoes_the_rotary_permutation_on_the_blocks() -> None:
+    blocks = make_blocks(Q.Q4_1, 16, 64)
+    order = unpermute_rotary_rows(torch.arange(16), num_heads=2)
+    assert torch.equal(reference(blocks.take_rows(order)), unpermute_rotary_rows(reference(blocks), 2))
+
+
+def test_unsupported_formats_are_named() -> None:
+    raw = np.zeros((2, 64 * 4), dtype=np.uint8)
+    with pytest.raises(NotImplementedError, match="F32 weights cannot be kept packed"):
+        pack_gguf_tensor(raw, Q.F32, (2, 64))
+
+
+def _one_tensor_per_qtype(file: GGUFFile) -> list[str]:
+    first: dict[GGMLQuantizationType, str] = {}
+    for name, info in file.tensors.items():
+        if len(info.shape) == 2 and info.qtype in QTYPES and not name.startswith("token_embd"):
+            first.setdefault(info.qtype, name)
+    return list(first.values())
+
+
+@pytest.mark.parametrize("fixture", ["smollm2_gguf_path", "gemma3_gguf_path"])
+def test_real_model_tensors_pack_exactly(fixture: str, request: pytest.FixtureRequest) -> None:
+    """SmolLM2 Q4_1 (its layers) and Gemma 3 Q4_K_M (Q5_0, Q8_0, Q4_K, Q6_K), read from the files."""
+    file = GGUFFile(Path(request.getfixturevalue(fixture)))
+    names = _one_tensor_per_qtype(file)
+    assert names
+    for name in names:
+        info = file.tensors[name]
+        packed = pack_gguf_tensor(file.read_blocks(info), info.qtype, info.shape)
+        weight = torch.from_numpy(file.read_float32(info))
+        assert torch.equal(packed.dequantize(), weight), name
+        x = torch.randn(3, info.shape[1])
+        assert ((packed.linear(x) - F.linear(x, weight)).abs() <= summation_bound(x, weight)).all(), name
+
+
+def test_fused_parts_stack_by_rows_in_one_format_or_side_by_side_in_several() -> None:
+    q, k, v = (
+        make_blocks(Q.Q5_0, 8, 256, seed=2),
+        make_blocks(Q.Q5_0, 4, 256, seed=3),
+        make_blocks(Q.Q8_0, 4, 256),
+    )
+    weight = torch.cat([reference(q), reference(k), reference(v)])
+    fused = pack_parts([q, k, v])
+    assert isinstance(fused, PackedRows) and len(fused.parts) == 2 and fused.out_features == 16
+    assert torch.equal(fused.dequantize(), weight)
+    x, bias = torch.randn(3, 256), torch.randn(16)
+    assert (
+        (fused.linear(x, bias) - F.linear(x, weight, bias)).abs() <= summation_bound(x, weight) + 1e-6
+    ).all()
+    single = pack_parts([q, k])
+    assert isinstance(single, PackedWeight) and torch.equal(single.dequantize(), weight[:12])
+    assert torch.equal(pack_blocks(concat_rows([q, k])).codes, single.codes)
+    with pytest.raises(ValueError, match="share format"):
+        concat_rows([q, v])
+
+
+def test_without_a_compiler_the_same_weights_run_through_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tokenmill.quantization.gguf_packed as gguf_packed
+
+    blocks = make_blocks(Q.Q4_1, 8, 256)
+    weight, packed = reference(blocks), pack_blocks(blocks)
+    monkeypatch.setattr(gguf_packed, "load_kernel", lambda: None)
+    assert torch.equal(packed.linear(torch.eye(256)), weight.t())
+
+
+@pytest.mark.parametrize("fixture", ["smollm2_gguf_path", "gemma3_gguf_path"])
+def test_real_models_with_packed_projections_decode_the_float32_greedy_tokens(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """Every projection swapped for its packed twin (checked bit for bit on the way in): the greedy tokens
+    of one sequence and of three together equal those of the float32 engine."""
+    from tokenmill.benchmarks.gguf_cpu.swap import swap_in_packed
+    from tokenmill.llm import LLM
+    from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
+    from tokenmill.sampling_params import SamplingParams
+
+    path = Path(request.getfixturevalue(fixture))
+    llm = LLM(str(path), max_model_len=128, max_num_seqs=4)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def greedy(batch: list[str]) -> list[list[int]]:
+        return [list(out.outputs[0].token_ids) for out in llm.generate(batch, params)]
+
+    single, together = greedy(prompts[:1]), greedy(prompts)
+    swapped = swap_in_packed(llm.engine.runner.model, GGUFCheckpoint(path))
+    assert swapped == 4 * llm.engine.model_config.num_layers + 1
+    assert greedy(prompts[:1]) == single
+    assert greedy(prompts) == together
