@@ -17,6 +17,7 @@ result does not depend on how many rows share the call (the same discipline as `
 
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +39,10 @@ class PackedWeight:
     offset: torch.Tensor | None
     group: int
     qtype: GGMLQuantizationType
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "PackedWeight":
+        """Immutable: a configured copy of the model (``with_kernels``) shares the codes."""
+        return self
 
     @property
     def four_bit(self) -> bool:
@@ -124,6 +129,9 @@ class PackedRows:
     format are better stacked before packing (``concat_rows``), which makes one kernel call."""
 
     parts: tuple[PackedWeight, ...]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "PackedRows":
+        return self
 
     @property
     def out_features(self) -> int:
