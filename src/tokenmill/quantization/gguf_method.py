@@ -48,6 +48,12 @@ def packed_weight(layer: Any) -> Packed:
     return packed
 
 
+def packed_nbytes(module: nn.Module) -> int:
+    """Bytes of the packed weight ``module`` holds (0: none), which its placeholder ``weight`` omits."""
+    packed: Packed | None = getattr(module, _PACKED, None)
+    return 0 if packed is None else packed.nbytes
+
+
 def _packed_linear(layer: ProjectionLayer, x: torch.Tensor) -> torch.Tensor:
     out = packed_weight(layer).linear(x, layer.local_bias())
     return out if out.dtype == x.dtype else out.to(x.dtype)

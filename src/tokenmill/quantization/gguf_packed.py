@@ -141,6 +141,10 @@ class PackedRows:
     def in_features(self) -> int:
         return self.parts[0].in_features
 
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.cat([part.linear(x) for part in self.parts], dim=-1)
         return out if bias is None else out + bias
