@@ -7,14 +7,17 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from torch import nn
 
 from gguf_fixtures import GGUF_ARCH, save_hf_model, tiny_gguf_config, write_gguf
+from test_gguf_packed import make_blocks, reference
 from tiny_models import save_tiny_model
 from tokenmill.errors import ModelLoadError
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.models.layers.linear import LinearBase
 from tokenmill.quantization.gguf_method import GGUFLinearMethod, packed_weight
 from tokenmill.quantization.gguf_packed import PackedRows, PackedWeight
+from tokenmill.quantization.shards import RowShard
 from tokenmill.reference import greedy_generate
 
 Q = gguf.GGMLQuantizationType
@@ -102,3 +105,23 @@ def test_real_models_through_the_gguf_method_decode_the_float32_greedy_tokens(
     assert len(layers) == 4 * packed.engine.model_config.num_layers
     assert all(layer.weight.numel() == 0 for layer in layers)
     assert (greedy(packed, prompts[:1]), greedy(packed, prompts)) == expected
+
+
+def test_a_rank_keeps_its_rows_and_block_aligned_columns_of_each_part() -> None:
+    """Tensor-parallel shards without processes: a column-parallel rank of a fused weight whose parts
+    arrive out of order (and in two formats), and a row-parallel rank's column slice."""
+    method = GGUFLinearMethod()
+    q, v = make_blocks(Q.Q4_1, 8, 256, seed=1), make_blocks(Q.Q8_0, 4, 256, seed=2)
+    fused = nn.Module()
+    method.create_weights(fused, 6, 256, lambda *args: None)
+    method.load(fused, fused.weight, v, RowShard(4, 2, 2, 4))  # rank 1 of 2: v rows 2-3 go last
+    method.load(fused, fused.weight, q, RowShard(8, 4, 4, 0))  # q rows 4-7 go first
+    expected = torch.cat([reference(q)[4:8], reference(v)[2:4]])
+    assert torch.equal(packed_weight(fused).dequantize(), expected)
+
+    row_parallel = nn.Module()
+    method.create_weights(row_parallel, 8, 128, lambda *args: None)
+    method.load(row_parallel, row_parallel.weight, q, RowShard(8, 0, 8, 0, (256, 128, 128)))
+    assert torch.equal(packed_weight(row_parallel).dequantize(), reference(q)[:, 128:])
+    with pytest.raises(ValueError, match="block boundaries"):
+        method.load(row_parallel, row_parallel.weight, q, RowShard(8, 0, 8, 0, (256, 16, 128)))
