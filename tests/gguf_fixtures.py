@@ -94,11 +94,22 @@ def save_hf_model(config: PretrainedConfig, folder: Path, seed: int = 0) -> torc
     return model
 
 
-def write_gguf(model: torch.nn.Module, arch: str, path: Path) -> Path:
+_PROJECTIONS = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight")
+
+
+def write_gguf(
+    model: torch.nn.Module, arch: str, path: Path, qtype: gguf.GGMLQuantizationType | None = None
+) -> Path:
+    """``qtype``: store the projection weights in that format (gguf-py quantizes them), as llama.cpp's
+    quantized files do; everything else stays float32."""
     config: Any = model.config
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, arch, config)
     for name, array in _gguf_tensors(model, arch):
+        if qtype is not None and _PROJECTIONS.fullmatch(name):
+            raw = gguf.quants.quantize(np.ascontiguousarray(array), qtype)
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+            continue
         writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

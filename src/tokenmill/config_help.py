@@ -17,7 +17,8 @@ OPTION_HELP: dict[str, str] = {
     "load_format": "dummy: random weights of the named preset or config.json (real shapes, for benchmarks)",
     "quantization": "8-bit weights: int8 / fp8 quantize float weights per output channel as they load "
     "(weight-only PyTorch paths on cpu); none keeps them float; a pre-quantized checkpoint (fp8 128x128 "
-    "blocks, compressed-tensors int8) loads as published",
+    "blocks, compressed-tensors int8) loads as published; gguf keeps a .gguf file's 4- and 8-bit blocks "
+    "packed (cpu only)",
     "seed": "seed of the dummy weights and of the engine's default sampling generator",
     "max_model_len": "longest sequence (prompt + output) in tokens; unset: the model's limit, at most 8192",
     "tensor_parallel_size": "split each layer over this many processes (one per GPU; gloo on cpu); rank 0 "

@@ -37,6 +37,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel
 from tokenmill.models.layers import VocabParallelEmbedding
+from tokenmill.quantization.gguf_method import packed_nbytes
 
 # Far above the last-level cache; larger on GPUs, where a smaller copy ends too fast to time well.
 COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 2 * 2**30}
@@ -114,6 +115,7 @@ def weight_bytes_read_per_token(model: nn.Module) -> int:
     lm_head = getattr(model, "lm_head", None)
     lm_head_weight = getattr(lm_head, "weight", None)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(packed_nbytes(module) for module in model.modules())  # quantization "gguf"
     for module in model.modules():
         table = getattr(module, "weight", None)
         is_lookup = isinstance(module, nn.Embedding | VocabParallelEmbedding) and module is not lm_head

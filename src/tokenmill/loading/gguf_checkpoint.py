@@ -19,6 +19,7 @@ import torch
 from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 from tokenmill.loading.checkpoint import Checkpoint
 from tokenmill.loading.gguf_file import GGUFFile
+from tokenmill.loading.gguf_packing import keeps_packed, projection_blocks, unpermute_rotary_rows
 from tokenmill.models.config import RopeConfig
 from tokenmill.models.layers.rotary import inverse_frequencies
 from tokenmill.models.registry import GGUF_ARCHITECTURES, resolve_architecture
@@ -273,13 +274,6 @@ _ARCH_SPECS: dict[str, _ArchSpec] = {
 }
 
 
-def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Invert llama.cpp's q/k row permutation. Within each head it interleaves the two rotary halves
-    (row ``i`` of the first half, then row ``i`` of the second); put the halves back one after the other."""
-    half = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
-
-
 class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -294,6 +288,8 @@ class GGUFCheckpoint(Checkpoint):
             )
         self.spec = _ARCH_SPECS[self.meta.arch]
         self._config: dict[str, Any] | None = None
+        # quantization "gguf": projections are yielded as their GGUF blocks, not dequantized float32
+        self.keep_packed = False
 
     def hf_config(self) -> dict[str, Any]:
         if self._config is None:
@@ -330,6 +326,10 @@ class GGUFCheckpoint(Checkpoint):
                 raise self.meta.error(
                     f"tensor '{name}' has no Hugging Face counterpart in a '{self.meta.arch}' model"
                 )
+            if self.keep_packed and keeps_packed(hf_name, info, stem in self.spec.transposed_stems):
+                blocks = projection_blocks(self.file, info, self._qk_heads(stem, config))
+                yield hf_name, blocks  # type: ignore[misc]  # GGUFLinearMethod.load takes blocks
+                continue
             tensor = torch.from_numpy(self.file.read_float32(info))
             yield hf_name, self._to_hf_layout(name, stem, tensor, config)
 
@@ -340,13 +340,19 @@ class GGUFCheckpoint(Checkpoint):
         layer, stem, kind = match.groups()
         return (None if layer is None else int(layer)), stem, kind
 
+    def _qk_heads(self, stem: str, config: dict[str, Any]) -> int | None:
+        """The heads whose rows llama.cpp permuted in this tensor (None: not permuted)."""
+        if not (self.spec.permuted_qk and stem in ("attn_q", "attn_k")):
+            return None
+        heads: int = config["num_attention_heads"]
+        return heads if stem == "attn_q" else config.get("num_key_value_heads", heads)
+
     def _to_hf_layout(
         self, name: str, stem: str, tensor: torch.Tensor, config: dict[str, Any]
     ) -> torch.Tensor:
-        if self.spec.permuted_qk and stem in ("attn_q", "attn_k"):
-            heads = config["num_attention_heads"]
-            kv_heads = config.get("num_key_value_heads", heads)
-            tensor = unpermute_rotary_rows(tensor, heads if stem == "attn_q" else kv_heads)
+        heads = self._qk_heads(stem, config)
+        if heads is not None:
+            tensor = unpermute_rotary_rows(tensor, heads)
         if self.spec.norm_offset and name.endswith("norm.weight"):
             tensor -= self.spec.norm_offset
         if stem in self.spec.transposed_stems and name.endswith(".weight"):

@@ -74,7 +74,7 @@ def load_model(
     """Load ``model`` (None: the embedded default; a folder, .gguf file, installed model's short name, hub
     id, or with ``load_format="dummy"`` a preset name or config.json) onto ``device`` in ``dtype``.
     ``tokenizer`` names another model whose tokenizer to use instead (as vLLM's ``tokenizer``): how a
-    dummy-weight model gets one. ``quantization`` (``none``, ``int8``, ``fp8``; see
+    dummy-weight model gets one. ``quantization`` (``none``, ``int8``, ``fp8``, ``gguf``; see
     :mod:`tokenmill.quantization`): float weights are quantized as they are loaded; a checkpoint whose
     config publishes a quantization loads in it."""
     start = time.perf_counter()
@@ -89,6 +89,7 @@ def load_model(
         quant = resolve_quantization(
             quantization, published_quantization(source.config, source.name), source.name
         )
+        _check_gguf(quant, source, device)
         net = build_model(config, device, torch_dtype, max_model_len, quant)
         init_dummy_weights(net, seed)
         name = f"dummy:{source.name}"
@@ -96,6 +97,7 @@ def load_model(
         raw, where = source.hf_config(), str(source.config_file)
         config = config_from_hf(raw, where)
         quant = resolve_quantization(quantization, published_quantization(raw, where), where)
+        _check_gguf(quant, source, device)
         net = build_model(config, device, torch_dtype, max_model_len, quant)
         load_checkpoint_weights(net, source)
         extra_eos, name = source.eos_token_ids(), str(source.path)
@@ -107,6 +109,27 @@ def load_model(
     return LoadedModel(
         net.eval(), config, own_tokenizer, eos, name, device, torch_dtype, time.perf_counter() - start
     )
+
+
+def _check_gguf(quant: QuantizationConfig, source: "Checkpoint | DummySource", device: torch.device) -> None:
+    """``gguf`` keeps a GGUF file's blocks for the CPU kernel: refuse it elsewhere before building, and
+    ask the file to yield its projections packed."""
+    if quant.method != "gguf":
+        return
+    from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
+
+    if not isinstance(source, GGUFCheckpoint):
+        what = f"dummy weights ({source.name})" if isinstance(source, DummySource) else str(source.path)
+        raise ModelLoadError(
+            f"quantization 'gguf' keeps a GGUF file's blocks packed and needs a .gguf checkpoint; "
+            f"{what} is not one (use 'int8' or 'fp8' to quantize float weights)"
+        )
+    if device.type != "cpu":
+        raise ModelLoadError(
+            f"quantization 'gguf' runs on the CPU only (its kernel is a C loop), not on {device}; "
+            f"load with device='cpu', or use 'none' / 'int8' / 'fp8' on the GPU"
+        )
+    source.keep_packed = True
 
 
 def load_tokenizer(name: str | os.PathLike[str]) -> "Tokenizer":

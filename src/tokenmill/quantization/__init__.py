@@ -2,7 +2,8 @@
 
 Reading order: :mod:`.method` (the interface a linear layer delegates to), :mod:`.shards` (how a
 checkpoint tensor's rows reach a parameter in any format's units), :mod:`.rounding` (the number formats),
-:mod:`.per_channel` and :mod:`.block_fp8` (the methods), :mod:`.config` and :mod:`.published` (which method
+:mod:`.per_channel`, :mod:`.block_fp8` and :mod:`.gguf_method` (the methods; GGUF's blocks in
+:mod:`.gguf_blocks` and :mod:`.gguf_packed`), :mod:`.config` and :mod:`.published` (which method
 a model is built with), :mod:`.context` (how layers find it while the model is built).
 
 This package does not import :mod:`tokenmill.models`; model layers import it.
@@ -17,6 +18,7 @@ from tokenmill.quantization.config import (
     resolve_quantization,
 )
 from tokenmill.quantization.context import building_with, linear_method, lm_head_method
+from tokenmill.quantization.gguf_method import GGUFLinearMethod
 from tokenmill.quantization.method import UNQUANTIZED, LinearMethod, UnquantizedLinearMethod
 from tokenmill.quantization.per_channel import Fp8LinearMethod, Int8LinearMethod, PerChannelLinearMethod
 from tokenmill.quantization.published import published_quantization
@@ -28,6 +30,7 @@ __all__ = [
     "UNQUANTIZED",
     "Fp8BlockLinearMethod",
     "Fp8LinearMethod",
+    "GGUFLinearMethod",
     "Int8LinearMethod",
     "LinearMethod",
     "PerChannelLinearMethod",

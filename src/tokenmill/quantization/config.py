@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from tokenmill.config import QuantizationMethod
 from tokenmill.errors import ModelLoadError
 from tokenmill.quantization.block_fp8 import Fp8BlockLinearMethod
+from tokenmill.quantization.gguf_method import GGUFLinearMethod
 from tokenmill.quantization.method import UNQUANTIZED, LinearMethod
 from tokenmill.quantization.per_channel import Fp8LinearMethod, Int8LinearMethod
 
@@ -38,11 +39,15 @@ class QuantizationConfig:
             return Fp8BlockLinearMethod(self.weight_block)
         if self.method == "fp8":
             return Fp8LinearMethod(self.prequantized, self.dynamic_activations)
+        if self.method == "gguf":
+            return GGUFLinearMethod()
         return UNQUANTIZED
 
     def lm_head_method(self, tied: bool, linear: LinearMethod) -> LinearMethod:
-        """``linear`` for an untied head this config quantizes; a tied head reads the float embedding."""
-        return linear if self.quantize_lm_head and not tied else UNQUANTIZED
+        """``linear`` for an untied head this config quantizes; a tied head reads the float embedding.
+        A GGUF head stays float for now: the checkpoint yields ``output.weight`` dequantized."""
+        quantized = self.quantize_lm_head and not tied and self.method != "gguf"
+        return linear if quantized else UNQUANTIZED
 
 
 NO_QUANTIZATION = QuantizationConfig()
@@ -55,10 +60,6 @@ def resolve_quantization(
     ``published`` (None: float weights). A pre-quantized checkpoint loads as published; asking for another
     format than its own is an error, not a silent re-quantization."""
     wanted = requested if isinstance(requested, QuantizationConfig) else _named(requested)
-    if wanted.method == "gguf":
-        raise ModelLoadError(
-            "quantization 'gguf' (GGUF blocks kept packed on the CPU) is not available in this build yet"
-        )
     if published is None:
         return wanted
     if wanted.method not in ("none", published.method):

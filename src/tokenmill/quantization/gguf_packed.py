@@ -17,6 +17,7 @@ result does not depend on how many rows share the call (the same discipline as `
 
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +39,10 @@ class PackedWeight:
     offset: torch.Tensor | None
     group: int
     qtype: GGMLQuantizationType
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "PackedWeight":
+        """Immutable: a configured copy of the model (``with_kernels``) shares the codes."""
+        return self
 
     @property
     def four_bit(self) -> bool:
@@ -125,6 +130,9 @@ class PackedRows:
 
     parts: tuple[PackedWeight, ...]
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "PackedRows":
+        return self
+
     @property
     def out_features(self) -> int:
         return sum(part.out_features for part in self.parts)
@@ -132,6 +140,10 @@ class PackedRows:
     @property
     def in_features(self) -> int:
         return self.parts[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.cat([part.linear(x) for part in self.parts], dim=-1)
