@@ -39,9 +39,10 @@ def default_served_model_name(engine: Engine) -> str:
     return facts.model or Path(facts.source).name.split(".")[0]
 
 
+_ENGINE_WATCH_S = 0.5  # how often `serve` checks that its engine is alive
+
 # Everything that uses the model needs the key, checked by RequestGate before the body is read;
 # /health and /metrics stay open for probes and scrapers.
-_ENGINE_WATCH_S = 0.5  # how often `serve` checks that its engine is alive
 _protected = APIRouter()
 _open = APIRouter()
 
