@@ -29,7 +29,8 @@ from tokenmill.engine.runner_setup import build_runner
 from tokenmill.engine.startup_report import StartupTimes, describe_startup
 from tokenmill.engine.stop_strings import StopStringDetokenizer
 from tokenmill.engine.warm_start import WarmStartReport, warm_up_waves
-from tokenmill.loading import LoadedModel, load_model
+from tokenmill.loading import LoadedModel
+from tokenmill.loading.loader import load_model_for
 from tokenmill.outputs import RequestDelta, RowLogprobs
 from tokenmill.parallel.engine_setup import eager_for_tensor_parallel, start_workers
 from tokenmill.runner.kv_cache import KVCache
@@ -68,16 +69,7 @@ class LLMEngine:
     def _build(
         self, config: EngineConfig, loaded: LoadedModel | None, draft: LoadedModel | None, started: float
     ) -> None:
-        self.loaded = loaded or load_model(
-            config.model,
-            device=self.device,
-            dtype=config.dtype,
-            load_format=config.load_format,
-            max_model_len=config.max_model_len,
-            seed=config.seed,
-            tokenizer=config.tokenizer,
-            quantization=config.quantization,
-        )
+        self.loaded = loaded or load_model_for(config, self.device)
         self.load_seconds = time.perf_counter() - started
         self.model_config = self.loaded.config
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer

@@ -25,6 +25,7 @@ from tokenmill.quantization import (
 )
 
 if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
     from tokenmill.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,6 +131,21 @@ def _check_gguf(quant: QuantizationConfig, source: "Checkpoint | DummySource", d
             f"load with device='cpu', or use 'none' / 'int8' / 'fp8' on the GPU"
         )
     source.keep_packed = True
+
+
+def load_model_for(config: "EngineConfig", device: torch.device) -> LoadedModel:
+    """:func:`load_model` with the settings of an engine's config (the engine and every tensor-parallel
+    worker load the same way)."""
+    return load_model(
+        config.model,
+        device=device,
+        dtype=config.dtype,
+        load_format=config.load_format,
+        max_model_len=config.max_model_len,
+        seed=config.seed,
+        tokenizer=config.tokenizer,
+        quantization=config.quantization,
+    )
 
 
 def load_tokenizer(name: str | os.PathLike[str]) -> "Tokenizer":

@@ -18,7 +18,7 @@ from tokenmill.attention.selector import create_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.distributed import destroy_tensor_parallel, init_tensor_parallel, kv_head_shard
 from tokenmill.engine.hardware_defaults import Platform, kernel_options_for, resolve_config
-from tokenmill.loading import load_model
+from tokenmill.loading.loader import load_model_for
 from tokenmill.models import CausalLM, ModelConfig
 from tokenmill.parallel.step_broadcast import (
     Command,
@@ -86,16 +86,7 @@ def _build_shard(
     config: EngineConfig, device: torch.device
 ) -> tuple[CausalLM, AttentionBackend, list[KVCacheLayer] | None]:
     """This rank's shard of the model and its KV pool, of the size rank 0 announces."""
-    loaded = load_model(
-        config.model,
-        device=device,
-        dtype=config.dtype,
-        load_format=config.load_format,
-        max_model_len=config.max_model_len,
-        seed=config.seed,
-        tokenizer=config.tokenizer,
-        quantization=config.quantization,
-    )
+    loaded = load_model_for(config, device)
     command, num_blocks, max_model_len = receive_header()[:3]
     if command != Command.SETUP:
         raise RuntimeError(f"expected rank 0's set-up message, got command {command}")
