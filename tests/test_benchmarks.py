@@ -308,6 +308,35 @@ def test_throughput_writes_its_report(tiny_llama_folder: Path, tmp_path: Path, c
     assert (tmp_path / "throughput.md").read_text().startswith("- commit: ")
 
 
+def test_throughput_repeat_reports_every_run_against_the_first(
+    tiny_llama_folder: Path, tmp_path: Path, capsys: Any
+) -> None:
+    argv = [
+        "--model",
+        str(tiny_llama_folder),
+        *TINY_WORKLOAD,
+        "--input-len",
+        "5",
+        "--output-len",
+        "4",
+        "--skip-hf",
+        "--repeat",
+        "3",
+        "--report-dir",
+        str(tmp_path),
+        *SMALL_KV,
+    ]
+    assert throughput.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| tokenmill")]
+    assert [row.split("|")[1].strip().rsplit(", ", 1)[1] for row in rows] == ["run 1", "run 2", "run 3"]
+    requests = TINY_WORKLOAD[TINY_WORKLOAD.index("--num-requests") + 1]
+    assert all(row.rstrip(" |").endswith(f"{requests}/{requests}") for row in rows)  # same tokens each run
+    written = json.loads((tmp_path / "throughput.json").read_text())["results"]
+    first, later = written[0]["output_tokens_per_s"], [r["output_tokens_per_s"] for r in written[1:]]
+    assert f"first run / best later run (fresh engines, one process): {first / max(later):.3f}" in out
+
+
 def test_throughput_refuses_when_batched_tokens_differ(
     tiny_llama_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:

@@ -38,7 +38,7 @@ from tokenmill.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from tokenmill.kernels.attention import DecodeConfig, PrefillConfig
 from tokenmill.kernels.gemv import GemvConfig, gated_gemv, gemv, rms_norm_gemv
 from tokenmill.kernels.kv_write import write_kv
-from tokenmill.kernels.rmsnorm import add_rms_norm, rms_norm
+from tokenmill.kernels.rmsnorm import add_rms_norm, head_rms_norm_, rms_norm
 from tokenmill.kernels.rotary import apply_rotary_
 from tokenmill.models.config import RopeConfig
 from tokenmill.models.layers.activation import GeluTanhAndMul, SiluAndMul
@@ -119,6 +119,45 @@ def test_add_rms_norm(device: str, dtype: torch.dtype, shape: tuple[int, ...], u
     assert new_residual is residual  # updated in place
     torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
     assert_matches_layer(normed, expected_normed)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 24), (2, 2, 64)])
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_head_rms_norm_in_place_in_fused_qkv(
+    device: str,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    num_tokens: int,
+    unit_offset: bool,
+) -> None:
+    """Each query and key head of a [T, q | k | v] projection normalized where it lies (the row stride is
+    the whole projection's, wider still when qkv is itself a view); v and the padding are untouched."""
+    torch.manual_seed(2)
+    q_norm = _rms_norm_layer(head_dim, unit_offset, dtype, device)
+    k_norm = _rms_norm_layer(head_dim, unit_offset, dtype, device)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    wide = torch.randn(num_tokens, q_size + 2 * kv_size + 8, dtype=dtype, device=device)
+    qkv = wide[:, : q_size + 2 * kv_size]
+    before = wide.clone()
+    q, k, _ = before[:, : q_size + 2 * kv_size].split([q_size, kv_size, kv_size], dim=-1)
+    expected_q = q_norm(q.reshape(-1, head_dim)).view(q.shape)
+    expected_k = k_norm(k.reshape(-1, head_dim)).view(k.shape)
+    head_rms_norm_(qkv, heads, kv_heads, head_dim, q_norm.weight, k_norm.weight, q_norm.eps, unit_offset)
+    assert_matches_layer(qkv[:, :q_size], expected_q)
+    assert_matches_layer(qkv[:, q_size : q_size + kv_size], expected_k)
+    assert torch.equal(wide[:, q_size + kv_size :], before[:, q_size + kv_size :])
+
+
+def test_head_rms_norm_refuses_a_misfit() -> None:
+    qkv = torch.zeros(2, 40)
+    weight = torch.ones(16)
+    with pytest.raises(ValueError, match="does not hold 2 \\+ 1 heads of 16"):
+        head_rms_norm_(qkv, 2, 1, 16, weight, weight, 1e-6)
+    with pytest.raises(ValueError, match="k_weight shape \\[8\\]"):
+        head_rms_norm_(torch.zeros(2, 48), 2, 1, 16, weight, torch.ones(8), 1e-6)
 
 
 def _rms_norm_layer(dim: int, unit_offset: bool, dtype: torch.dtype, device: str) -> RMSNorm:

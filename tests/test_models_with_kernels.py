@@ -17,18 +17,19 @@ from tokenmill.loading import load_model
 from tokenmill.models import CausalLM
 from tokenmill.models.layers import GatedActivationLinear, PreNormLinear
 from tokenmill.models.layers.cpu_linear import supports_prepacking
+from tokenmill.models.llama import QKNormAttention
 
 ALL_TRITON = KernelOptions(rms_norm=True, rotary=True, activation=True, gemv=True)
 # The kernel functions the layers bind, by module.
 KERNELS = {
-    "tokenmill.kernels.rmsnorm": ("rms_norm", "add_rms_norm"),
+    "tokenmill.kernels.rmsnorm": ("rms_norm", "add_rms_norm", "head_rms_norm_"),
     "tokenmill.kernels.rotary": ("apply_rotary_",),
     "tokenmill.kernels.activation": ("silu_and_mul", "gelu_tanh_and_mul"),
     "tokenmill.kernels.gemv": ("gemv", "rms_norm_gemv", "gated_gemv"),
 }
 
 
-@pytest.fixture(scope="module", params=["llama3", "gemma3"])
+@pytest.fixture(scope="module", params=["llama3", "gemma3", "qwen3"])
 def tiny_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
     save_tiny_model(request.param, folder)
@@ -93,6 +94,8 @@ def test_configured_copies_coexist_and_share_the_weights(
     for lens in ([5, 1, 9], [1]):
         assert torch.allclose(logits(fused, lens), references[len(lens)], rtol=0, atol=1e-5)
         assert "apply_rotary_" in calls
+        if any(isinstance(module, QKNormAttention) for module in fused.modules()):
+            assert "head_rms_norm_" in calls  # both per-head norms in one kernel, in place
         if lens == [1]:  # one row: every projection a GEMV, the norms and activations fused into them
             assert {"rms_norm_gemv", "gated_gemv", "gemv"} <= set(calls)
         calls.clear()

@@ -130,6 +130,13 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--verify-requests", type=int, default=4, help="requests re-run alone to check (0: none)"
     )
+    group.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="serve the workload this many times, each on a fresh engine in this process: the report "
+        "compares the first run with the later ones (default 1)",
+    )
     group.add_argument("--report-dir", type=Path, default=None, help="also write throughput.md/.json here")
 
 

@@ -2,6 +2,10 @@
 
 Llama style: ``w * (x / rms(x)).to(dtype)``. Gemma style (``unit_offset``): ``(x / rms(x) * (1 + w))``
 in float32, then cast. The sum of squares is accumulated in float32 either way.
+
+``head_rms_norm_`` normalizes each query and key head of a fused ``[T, q | k | v]`` projection in place
+(Qwen3's and Gemma 3's per-head norms): one launch for both, reading the heads where the projection
+wrote them, where a norm per tensor would first copy the strided ``q`` and ``k`` out of it.
 """
 
 import torch
@@ -129,6 +133,89 @@ def _launch(
         out.stride(0),
         eps,
         has_residual=residual is not None,
+        unit_offset=unit_offset,
+        rows_per_program=rows_per_program,
+        block=block,
+        pdl=pdl,
+        num_warps=min(8, max(1, rows_per_program * block // 512)),
+        **launch_options(pdl),
+    )
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _head_rms_norm_kernel(
+    x_ptr: tl.tensor,
+    q_weight_ptr: tl.tensor,
+    k_weight_ptr: tl.tensor,
+    num_tokens: int,
+    token_stride: int,
+    eps: float,
+    num_q_heads: tl.constexpr,
+    num_heads: tl.constexpr,  # query heads, then key heads
+    head_dim: tl.constexpr,
+    unit_offset: tl.constexpr,
+    rows_per_program: tl.constexpr,
+    block: tl.constexpr,
+    pdl: tl.constexpr,
+) -> None:
+    wait_for_previous_kernel(pdl)
+    rows = (tl.program_id(0) * rows_per_program + tl.arange(0, rows_per_program)).to(tl.int64)
+    token, head = rows // num_heads, rows % num_heads
+    cols = tl.arange(0, block)
+    col_ok = cols < head_dim
+    mask = (token < num_tokens)[:, None] & col_ok[None, :]
+    ptrs = x_ptr + token[:, None] * token_stride + (head * head_dim)[:, None] + cols[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    x32 = x.to(tl.float32)
+    normed = x32 * (1.0 / tl.sqrt(tl.sum(x32 * x32, axis=1) / head_dim + eps))[:, None]
+    q_weight = tl.load(q_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    k_weight = tl.load(k_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    weight = tl.where((head < num_q_heads)[:, None], q_weight[None, :], k_weight[None, :])
+    y = normed * (1.0 + weight) if unit_offset else normed.to(x.dtype).to(tl.float32) * weight
+    tl.store(ptrs, y.to(x.dtype), mask=mask)
+
+
+def head_rms_norm_(
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    num_k_heads: int,
+    head_dim: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool = False,
+    pdl: bool = False,
+) -> None:
+    """Normalize, in place, each of the ``num_q_heads`` query heads and ``num_k_heads`` key heads at the
+    start of every row of ``qkv`` (``[T, >= (num_q_heads + num_k_heads) * head_dim]``, unit last stride),
+    with ``q_weight`` and ``k_weight`` (``[head_dim]``, of ``qkv``'s dtype unless ``unit_offset``)."""
+    require_unit_last_stride("qkv", qkv)
+    if qkv.dim() != 2 or qkv.shape[1] < (num_q_heads + num_k_heads) * head_dim:
+        raise ValueError(
+            f"qkv {list(qkv.shape)} does not hold {num_q_heads} + {num_k_heads} heads of {head_dim}"
+        )
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if weight.shape != (head_dim,):
+            raise ValueError(f"{name} shape {list(weight.shape)} does not match head_dim {head_dim}")
+    if not unit_offset and _out_dtype(qkv, q_weight, False) != qkv.dtype:
+        raise ValueError(f"in place needs weights of {qkv.dtype}, got {q_weight.dtype}")
+    num_tokens = qkv.shape[0]
+    if num_tokens == 0:
+        return
+    block = next_power_of_2(head_dim)
+    rows_per_program = max(1, min(MAX_ROWS_PER_PROGRAM, ELEMENTS_PER_PROGRAM // block))
+    num_heads = num_q_heads + num_k_heads
+    grid = (triton.cdiv(num_tokens * num_heads, rows_per_program),)
+    _head_rms_norm_kernel[grid](
+        qkv,
+        q_weight.contiguous(),
+        k_weight.contiguous(),
+        num_tokens,
+        qkv.stride(0),
+        eps,
+        num_q_heads=num_q_heads,
+        num_heads=num_heads,
+        head_dim=head_dim,
         unit_offset=unit_offset,
         rows_per_program=rows_per_program,
         block=block,

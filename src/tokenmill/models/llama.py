@@ -4,6 +4,7 @@ Pre-norm decoder blocks: ``h = x + attn(rmsnorm(x))``, ``out = h + mlp(rmsnorm(h
 attention, rotary positions and a SwiGLU MLP.
 """
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionLayer
 from tokenmill.distributed import divide, kv_head_shard, tp_rank, tp_world_size
+from tokenmill.kernels.options import KernelOptions
 from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ConfigReader, ModelConfig
 from tokenmill.models.layers import (
@@ -27,7 +29,10 @@ from tokenmill.models.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
+from tokenmill.models.layers.fusable import FusableLayer
 from tokenmill.models.layers.linear import ShardId
+
+Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 # Checkpoint projections fused here: q/k/v into qkv_proj, gate/up into gate_up_proj (Llama and Gemma).
 FUSED_QKV_GATE_UP: tuple[tuple[str, str, ShardId], ...] = (
@@ -131,8 +136,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, self.rotary_emb.pending(positions, self.attn.spec.head_dim)))
 
 
-class QKNormAttention(LlamaAttention):
-    """Llama attention with an RMSNorm over each query and key head before rotary (Qwen3, Gemma 3)."""
+class QKNormAttention(LlamaAttention, FusableLayer):
+    """Llama attention with an RMSNorm over each query and key head before rotary (Qwen3, Gemma 3).
+
+    With ``KernelOptions.rms_norm`` both norms run as one kernel, in place in the ``qkv`` projection.
+    """
 
     norm_unit_offset: ClassVar[bool] = False  # the norms scale by 1 + w (Gemma)
 
@@ -140,13 +148,37 @@ class QKNormAttention(LlamaAttention):
         super().__init__(config, layer_idx, rotary)
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps, self.norm_unit_offset)
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, self.norm_unit_offset)
+        self.configure(KernelOptions())
 
-    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def configure(self, options: KernelOptions) -> None:
+        self.pdl = options.pdl
+        self._norm_heads: Callable[[torch.Tensor], Triple] = self.norm_heads_torch
+        if options.rms_norm:
+            from tokenmill.kernels.rmsnorm import head_rms_norm_
+
+            self._head_rms_norm_kernel = head_rms_norm_
+            self._norm_heads = self.norm_heads_triton
+
+    def split_qkv(self, qkv: torch.Tensor) -> Triple:
+        return self._norm_heads(qkv)
+
+    def norm_heads_torch(self, qkv: torch.Tensor) -> Triple:
         q, k, v = super().split_qkv(qkv)
         head_dim = self.attn.spec.head_dim
         q = self.q_norm(q.reshape(-1, head_dim)).view(q.shape)
         k = self.k_norm(k.reshape(-1, head_dim)).view(k.shape)
         return q, k, v
+
+    def norm_heads_triton(self, qkv: torch.Tensor) -> Triple:
+        spec = self.attn.spec
+        weights = (self.q_norm.weight, self.k_norm.weight)
+        if qkv.dim() != 2 or (not self.norm_unit_offset and weights[0].dtype != qkv.dtype):
+            return self.norm_heads_torch(qkv)
+        self._head_rms_norm_kernel(
+            qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim, *weights, self.q_norm.eps,
+            self.norm_unit_offset, self.pdl,
+        )  # fmt: skip
+        return super().split_qkv(qkv)
 
 
 class GatedMLP(nn.Module):

@@ -3,6 +3,8 @@
 The LM head is a linear projection: quantized like the linear layers when the model's quantization covers
 it and it is not tied to the embedding (a tied head reads the float embedding; embeddings stay float)."""
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,8 +46,9 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding, LinearProjection):
     """Projects hidden states to float32 logits over the full vocabulary, through the linear layers' paths
-    (:class:`LinearProjection`); the GEMV writes float32 logits directly (no separate cast of the largest
-    activation of the step)."""
+    (:class:`LinearProjection`). On the GPU fast path (``KernelOptions.gemv``) the GEMV and cuBLAS write
+    float32 logits directly: no separate cast of the largest activation of the step (at 256 rows of a
+    152k vocabulary, a 0.1 ms copy per step on the H200)."""
 
     gemv_out_dtype = torch.float32
 
@@ -59,6 +62,16 @@ class ParallelLMHead(VocabParallelEmbedding, LinearProjection):
 
     def store(self, param: nn.Parameter, loaded: torch.Tensor, shard: RowShard) -> None:
         LinearProjection.store(self, param, loaded, shard)
+
+    def _bind_matmul(self, options: KernelOptions) -> Callable[[torch.Tensor], torch.Tensor]:
+        matmul = super()._bind_matmul(options)
+        return self.project_to_float32 if options.gemv and matmul == self.project_torch else matmul
+
+    def project_to_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` accumulated and written in float32 by cuBLAS (16-bit CUDA inputs; others as usual)."""
+        if not x.is_cuda or x.dtype == torch.float32 or x.dim() != 2:
+            return self.project_torch(x)
+        return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return all_gather_last_dim(self.project(hidden)).float()
