@@ -58,3 +58,23 @@ def test_bad_speculative_config_flag_fails_before_loading(capsys) -> None:  # ty
         cli.main(["bench", "speculative", "--speculative-config", '{"method": "ngram", "k": 2}'])
     assert exit_info.value.code == 2
     assert "unknown key(s) ['k']" in capsys.readouterr().err
+
+
+def test_ngram_in_bfloat16_checks_a_float32_copy_first(
+    smollm2_gguf_path: Path, tmp_path: Path, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    """A 16-bit run may flip near-ties between a decode step and a verification step, so exactness is
+    checked on a float32 copy of the model, and the 16-bit agreement is reported, not required."""
+    args = ["--model", str(smollm2_gguf_path), "--dtype", "bfloat16", "--max-tokens", "12", "--no-progress"]
+    args += ["--batch-size", "2", "--batch-output-len", "4", "--report-dir", str(tmp_path)]
+    assert command.main(args) == 0
+    out = capsys.readouterr().out
+    total = len(command.prompts.CODE_EDITING)
+    assert f"float32 check: greedy tokens off / on identical for {total}/{total} prompts" in out
+    report = (tmp_path / "speculative.md").read_text()
+    assert "bfloat16, 134.5 M parameters" in report or "134.5 M parameters, bfloat16" in report
+    assert (
+        "- correctness: float32 copy: greedy tokens off and on identical for the code-editing prompts"
+        in report
+    )
+    assert "prompts whose tokens off and on agree: code editing " in report
