@@ -378,6 +378,40 @@ def test_a_started_step_is_dropped_when_the_batch_changes(tiny) -> None:  # type
     assert texts["b"] == greedy_generate(tiny.model, prompts["b"], 12).token_ids[: len(texts["b"])]
 
 
+def test_overlap_with_a_proposer_runs_only_while_no_step_speculates(tiny) -> None:  # type: ignore[no-untyped-def]
+    """With n-gram speculation configured, decode steps are started ahead while the batch is at or above
+    ``speculative_disable_by_batch_size`` (no step speculates), and not once it falls below: steps then
+    verify guesses. Started steps that the shrinking batch no longer matches are dropped; the greedy
+    tokens are the reference loop's throughout."""
+    engine = engine_for(
+        tiny, block_size=4, num_kv_blocks=64, max_model_len=64, speculative_method="ngram",
+        num_speculative_tokens=3, speculative_disable_by_batch_size=3, debug_checks=True,
+    )  # fmt: skip
+    _with_static_decode(engine, (1, 2, 4), overlap=True)
+    graphs = _graphs(engine)
+    started_at: list[int] = []  # the running batch whenever a step is started ahead
+    start = graphs.start_next_step
+
+    def recording_start(*args: Any) -> None:
+        started_at.append(len(engine.scheduler.running))
+        start(*args)
+
+    graphs.start_next_step = recording_start  # type: ignore[method-assign]
+    prompts = {f"r{i}": [5, 6, 7, 8] * 3 + [9 + i] * (i + 1) for i in range(4)}
+    max_tokens = {rid: 4 + 5 * i for i, rid in enumerate(prompts)}  # the batch shrinks 4, 3, 2, 1
+    requests = {
+        rid: (prompt, SamplingParams(temperature=0, max_tokens=max_tokens[rid], ignore_eos=True))
+        for rid, prompt in prompts.items()
+    }
+    outputs = run_to_completion(engine, requests)
+    for rid, prompt in prompts.items():
+        expected = greedy_generate(tiny.model, prompt, max_tokens[rid]).token_ids
+        assert outputs[rid].outputs[0].token_ids == expected, rid
+    assert graphs.num_reused > 0 and min(started_at) >= 3  # overlapped only while 3 or 4 sequences ran
+    assert engine.scheduler_stats().spec_decode.num_steps > 0  # and speculated below that
+    assert engine.kv_cache.manager.num_used_blocks == 0
+
+
 def test_a_started_step_is_used_by_exactly_its_rows_and_gives_their_logits(tiny) -> None:  # type: ignore[no-untyped-def]
     engine = engine_for(tiny, block_size=4, num_kv_blocks=64, max_model_len=64)
     _with_static_decode(engine, (1, 2, 4), overlap=True)

@@ -34,6 +34,7 @@ from tokenmill.loading.loader import load_model_for
 from tokenmill.outputs import RequestDelta, RowLogprobs
 from tokenmill.parallel.engine_setup import eager_for_tensor_parallel, start_workers
 from tokenmill.runner.kv_cache import KVCache
+from tokenmill.runner.model_runner import PendingStep
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.output import SchedulerStats
 from tokenmill.scheduler.scheduler import Scheduler
@@ -275,7 +276,7 @@ class LLMEngine:
             return self._forget_finished(deltas)
         with self._parallel_guard("step"):
             step = self.runner.execute(scheduled.chunks)  # if it raises, pending abort deltas are kept
-            if self.runner.can_start_next_step(step) and self.scheduler.reserve_next_step(scheduled):
+            if self._can_start_next_step(step) and self.scheduler.reserve_next_step(scheduled):
                 self.runner.start_next_step(step)
             result = step.result()
         deltas, self._pending = self._pending, []
@@ -295,6 +296,18 @@ class LLMEngine:
         if self.config.debug_checks:
             self.scheduler.check_integrity()
         return self._forget_finished(deltas)
+
+    def _can_start_next_step(self, step: PendingStep) -> bool:
+        """Whether to enqueue the decode step after ``step`` before reading it (overlapped decode). With a
+        proposer, only while no step speculates (``disable_by_batch_size`` or more sequences run): the
+        shape of a speculating step depends on guesses made from ``step``'s tokens. Should the batch
+        shrink below the cutoff meanwhile, the started step does not match the next and is dropped."""
+        if not self.runner.can_start_next_step(step):
+            return False
+        if self.proposer is None:
+            return True
+        cutoff = self.config.speculative.disable_by_batch_size
+        return cutoff is not None and len(self.scheduler.running) >= cutoff
 
     def _advance_grammar(self, seq: Sequence, token: int) -> None:
         """Move ``seq``'s matcher past ``token``; end the sequence once its grammar is complete. A token the

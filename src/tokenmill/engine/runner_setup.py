@@ -57,8 +57,8 @@ def build_runner(
         graph_sizes=cuda_graph_sizes(config, device),
         prefill_graph_sizes=prefill_graph_sizes(config, device, max_model_len),
         logits_in_graph=graphs.logits,
-        # verification steps run eagerly, so no decode step is started ahead while speculating
-        overlap=bool(graphs.overlap_decode) and config.speculative.method is None,
+        # the engine starts no step ahead while a step may speculate (LLMEngine._can_start_next_step)
+        overlap=bool(graphs.overlap_decode),
         structured=structured,
         mirror=workers.sender if workers is not None else None,
     )

@@ -225,7 +225,7 @@ def render(runs: Sequence[TimedRun], batch_size: int) -> list[str]:
         "the model's own token, per step that verified drafts; tokens / step: per decode step of any kind",
         "- no step speculates while speculative_disable_by_batch_size or more sequences run (auto: 8 on "
         "CPU, 32 on a GPU); on a GPU, batch-1 verification steps run through the one-sequence prefill "
-        "graphs, batched ones eagerly, and decoding is not overlapped while speculating",
+        "graphs, batched ones eagerly; decode steps are overlapped only while no step can speculate",
     ]
 
 
