@@ -284,3 +284,41 @@ def test_a_large_batch_runs_plain_decode_steps(tiny) -> None:  # type: ignore[no
     assert proposed_at and max(proposed_at) < 4
     assert_matches_reference(tiny, {rid: (p, n + 20) for rid, (p, n) in workload.items()}, outputs)
     assert EngineConfig().with_options(speculative_method="ngram").speculative.disable_by_batch_size is None
+
+
+@pytest.mark.parametrize("proposer", ["self-draft", "other-draft"])
+def test_a_draft_runs_its_steps_through_graph_runners(tiny_models, proposer) -> None:  # type: ignore[no-untyped-def]
+    """The draft's one-token steps go through decode graphs and a lone sequence's catch-up through the
+    one-sequence prefill graphs (run eagerly over their static buffers here, as before capture on a
+    GPU); the greedy tokens stay the reference loop's, and a self-draft still accepts every guess."""
+    from tokenmill.runner.cuda_graphs import DecodeGraphRunner
+    from tokenmill.runner.prefill_graphs import PrefillGraphRunner
+    from tokenmill.speculative.draft_model import DraftModelProposer
+
+    target = tiny_models["llama3"]
+    draft = target if proposer == "self-draft" else tiny_models["qwen2"]
+    engine = speculative_engine(
+        target, draft, block_size=4, num_kv_blocks=200, max_model_len=96, max_num_seqs=3, debug_checks=True
+    )
+    assert isinstance(engine.proposer, DraftModelProposer)
+    runner = engine.proposer.runner
+    assert runner.kv.layers is not None
+    args = (runner.model, runner.backend, runner.kv.layers, runner.kv.manager)
+    runner.decode_graphs = DecodeGraphRunner(*args, (1, 2, 4), 96, False, runner.sampler.argmax)
+    runner.prefill_graphs = PrefillGraphRunner(*args, (8, 16, 64), 96)
+    used = {"decode": 0, "prefill": 0}
+    for name, graphs in (("decode", runner.decode_graphs), ("prefill", runner.prefill_graphs)):
+        run = graphs.run
+
+        def counted(*call: Any, _run: Any = run, _name: str = name) -> Any:
+            used[_name] += 1
+            return _run(*call)
+
+        graphs.run = counted  # type: ignore[method-assign]
+    workload = repetitive_workload(random.Random(7), 5)
+    outputs = run_workload(engine, workload, seed=2)
+    assert_matches_reference(target, workload, outputs)
+    spec = engine.scheduler_stats().spec_decode
+    assert used["decode"] > 0 and used["prefill"] > 0, used
+    assert spec.num_proposed > 0
+    assert (spec.num_accepted == spec.num_proposed) == (proposer == "self-draft")

@@ -167,8 +167,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """An eager forward pass over ``chunks`` and the logits of their sampled rows (a draft model's
-        step: its proposer samples them itself)."""
+        """A forward pass over ``chunks`` and the logits of their sampled rows, valid until the next pass
+        (a draft model's step: its proposer samples them itself). Through a decode graph or a one-sequence
+        prefill graph where one runs the step, else eagerly."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(chunks):
+            return graphs.run(chunks).logits
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(chunks):
+            return self._compute_logits(self.prefill_graphs.run(chunks[0])[-1:])
         hidden, sample_rows = self._forward(chunks)
         return self._compute_logits(hidden[sample_rows])
 

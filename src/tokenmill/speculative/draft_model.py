@@ -1,12 +1,13 @@
 """A draft model as proposer: a smaller model with the target's vocabulary guesses ``k`` tokens per round.
 
-The draft runs through its own :class:`~tokenmill.runner.model_runner.ModelRunner` and paged KV pool. It
-keeps a shadow of each decoding sequence: the tokens it has computed. A round first brings the shadow up
-to the sequence (the tokens the target accepted since the last round; the whole prompt the first time),
-dropping the KV of its own rejected guesses, then samples a guess, feeds it back and samples the next,
-``k`` times, all sequences of the round batched together. Each guess is drawn from the distribution a
-plain step of the draft would draw from (the request's temperature, filters and penalties); those
-distributions go to the rejection sampler as ``q`` (None for greedy requests, whose guesses are one-hot).
+The draft runs through its own :class:`~tokenmill.runner.model_runner.ModelRunner` (with CUDA graphs where
+the target has them) and paged KV pool. It keeps a shadow of each decoding sequence: the tokens it has
+computed. A round first brings the shadow up to the sequence (the tokens the target accepted since the
+last round; the whole prompt the first time), dropping the KV of its own rejected guesses, then samples a
+guess, feeds it back and samples the next, ``k`` times, all sequences of the round batched together. Each
+guess is drawn from the distribution a plain step of the draft would draw from (the request's temperature,
+filters and penalties); those distributions go to the rejection sampler as ``q`` (None for greedy
+requests, whose guesses are one-hot).
 """
 
 import math
@@ -18,8 +19,10 @@ from tokenmill.attention.selector import create_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.loading import LoadedModel, load_model
+from tokenmill.runner.cuda_graphs import cuda_graph_sizes
 from tokenmill.runner.kv_cache import create_kv_cache
 from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.prefill_graphs import prefill_graph_sizes
 from tokenmill.runner.sampler import Sampler, SamplingBatch, SamplingRow
 from tokenmill.scheduler.output import ScheduledChunk
 from tokenmill.sequence import Sequence as Seq
@@ -49,7 +52,8 @@ class DraftModelProposer(Proposer):
         draft: LoadedModel | None = None,
     ) -> "DraftModelProposer":
         """Load ``config.speculative.model`` (or take ``draft``), check its vocabulary against the
-        target's, and give it a KV pool of its own (no prefix cache, no CUDA graphs)."""
+        target's, and give it a KV pool of its own (no prefix cache) and, where the target has them, CUDA
+        graphs: decode graphs for its one-token steps, one-sequence prefill graphs for a catch-up."""
         spec = config.speculative
         draft = draft or load_model(
             spec.model,
@@ -166,4 +170,24 @@ def _draft_runner(
         pool["num_kv_blocks"] = math.ceil(tokens / config.kv.block_size)
     draft_config = config.with_options(**pool)
     kv = create_kv_cache(draft_config, draft.config, max_model_len, draft.device, draft.dtype)
-    return ModelRunner(model, backend, Sampler(), kv, max_model_len)
+    return ModelRunner(
+        model,
+        backend,
+        Sampler(),
+        kv,
+        max_model_len,
+        graph_sizes=_draft_graph_sizes(config, draft.device),
+        logits_in_graph=config.graphs.logits,
+        prefill_graph_sizes=prefill_graph_sizes(config, draft.device, max_model_len),
+    )
+
+
+def _draft_graph_sizes(config: EngineConfig, device: torch.device) -> tuple[int, ...]:
+    """The target's decode graph sizes that a round can use: rounds run only while fewer sequences than
+    ``disable_by_batch_size`` do."""
+    sizes = cuda_graph_sizes(config, device)
+    cutoff = config.speculative.disable_by_batch_size
+    if cutoff is None or not sizes:
+        return sizes
+    wanted = [size for size in sizes if size < cutoff]
+    return (*wanted, *[size for size in sizes if size >= cutoff][:1])  # a padded size for cutoff - 1
