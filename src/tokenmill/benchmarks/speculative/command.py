@@ -47,7 +47,8 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel
 from tokenmill.sampling_params import SamplingParams
 
-TARGETS = {"code editing": 2.0, "copy mix": 1.5, "open-ended": 0.95}
+TARGETS = {"code editing": 2.0, "copy mix": 1.5, "open-ended": 0.95}  # on the 2-core CPU
+GPU_TARGETS = {**TARGETS, "code editing": 2.5}  # on the H200
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,7 +141,7 @@ def ngram_part(args: argparse.Namespace, loaded: LoadedModel) -> tuple[list[Time
             f" prompts whose tokens off and on agree: {', '.join(agreeing)} (a verification step rounds as "
             "the prefill kernels do)"
         )
-    return runs, [*header, "", *render(runs, args.batch_size), f"- correctness: {check}"]
+    return runs, [*header, "", *render(runs, args.batch_size, loaded.device.type), f"- correctness: {check}"]
 
 
 def float32_check(args: argparse.Namespace, chats: list[list[int]], params: SamplingParams) -> bool:
@@ -193,7 +194,8 @@ def _rate(run: TimedRun, name: str) -> float:
     return run.output_tok_s if name == "open-ended" else run.decode_tok_s
 
 
-def render(runs: Sequence[TimedRun], batch_size: int) -> list[str]:
+def render(runs: Sequence[TimedRun], batch_size: int, device_type: str = "cpu") -> list[str]:
+    targets = GPU_TARGETS if device_type == "cuda" else TARGETS
     rows = []
     for off, on in zip(runs[::2], runs[1::2], strict=True):
         name = off.label.rsplit(",", 1)[0]
@@ -210,7 +212,7 @@ def render(runs: Sequence[TimedRun], batch_size: int) -> list[str]:
                 f"{on.spec.acceptance_rate:.2f}",
                 f"{on.spec.mean_accepted_length:.2f}",
                 f"{on.num_decode_tokens / steps:.2f}" if steps else "-",
-                f">= {TARGETS[name]}x {'met' if ratio >= TARGETS[name] else 'NOT met'}",
+                f">= {targets[name]}x {'met' if ratio >= targets[name] else 'NOT met'}",
             ]
         )
     headers = ["workload", "batch", "output tokens", "tok/s off", "tok/s on", "on / off", "acceptance"]
