@@ -46,6 +46,26 @@ def test_a_cpu_gets_the_reference_path_with_the_scheduling_features_on() -> None
     assert config.warm_start is False
 
 
+def test_host_threads_are_one_on_a_gpu_unless_the_environment_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert resolved(HOPPER).host_threads == 1
+    assert resolved(CPU).host_threads is None  # torch's own default
+    assert resolved(HOPPER, host_threads=4).host_threads == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    assert resolved(HOPPER).host_threads is None
+    with pytest.raises(ValueError, match="host_threads"):
+        EngineConfig().with_options(host_threads=0)
+
+
+def test_an_engine_sets_the_host_threads_it_resolves(tiny) -> None:  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    try:
+        engine = engine_for(tiny, host_threads=1)
+        assert torch.get_num_threads() == 1 and "; 1 host threads;" in engine.describe_startup()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_explicit_settings_win_and_auto_follows_what_applies() -> None:
     torch_on_gpu = resolved(HOPPER, attention_backend="torch")
     assert not torch_on_gpu.graphs.enabled and not torch_on_gpu.graphs.overlap_decode

@@ -275,6 +275,10 @@ class EngineConfig:
     # Before the first request, run synthetic ones through every kernel the engine can hit, so Triton
     # compiles them at start-up, not inside a request. None (auto): on where Triton kernels compile.
     warm_start: bool | None = None
+    # torch's CPU threads in the engine's process. None (auto): 1 on a GPU unless OMP_NUM_THREADS is set
+    # (the GPU does the math; idle OpenMP threads spinning at their barriers slow the host's own work,
+    # llguidance's mask fill among it); torch's own default on CPU.
+    host_threads: int | None = None
     # The grammar engine of structured outputs (JSON schema, regex, choice, grammar): llguidance, or
     # xgrammar (pip install 'tokenmill[xgrammar]'). Built at the first constrained request.
     structured_output_backend: StructuredOutputBackendName = "llguidance"
@@ -288,6 +292,8 @@ class EngineConfig:
         _require_at_least_one("max_model_len", self.max_model_len)
         _require_choice("quantization", self.quantization, ("none", "int8", "fp8", "gguf"))
         _require_at_least_one("tensor_parallel_size", self.tensor_parallel_size)
+        if self.host_threads is not None:
+            _require_at_least_one("host_threads", self.host_threads)
         _require(
             self.tensor_parallel_size == 1 or self.speculative.method is None,
             "tensor_parallel_size",

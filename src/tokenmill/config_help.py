@@ -28,6 +28,9 @@ OPTION_HELP: dict[str, str] = {
     "grammar): llguidance, or xgrammar (pip install 'tokenmill[xgrammar]')",
     "warm_start": "run synthetic requests through every kernel at start-up, so none compiles inside a "
     "request; unset: on where Triton kernels compile (CUDA)",
+    "host_threads": "torch's CPU threads in the engine's process; unset: 1 on a GPU unless OMP_NUM_THREADS "
+    "is set (idle OpenMP threads spinning at their barriers slow the host's work, llguidance's masks "
+    "among it), torch's default on cpu",
     # the KV cache
     "kv_cache": "none recomputes everything every step; contiguous reserves max_model_len slots per "
     "sequence; paged takes blocks from a shared pool as sequences grow",

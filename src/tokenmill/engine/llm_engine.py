@@ -77,6 +77,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(config)
         # Every auto setting decided for this hardware: what the rest of the engine reads.
         self.config = resolve_config(config, Platform.detect(self.device), self.max_model_len)
+        if self.config.host_threads is not None:
+            torch.set_num_threads(self.config.host_threads)
         if self.workers is not None:
             self.config = eager_for_tensor_parallel(self.config, self.device)
         self._check_token_budget()

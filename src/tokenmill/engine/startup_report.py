@@ -39,6 +39,7 @@ def describe_startup(
         + (", prefix caching" if config.kv.prefix_caching else ""),
         f"max_num_seqs {scheduler.max_running}, {scheduler.token_budget} tokens per step"
         + (", chunked prefill" if scheduler.chunked_prefill else ""),
+        f"{torch.get_num_threads()} host threads",
         _times(times, graphs, prefill_graphs),
     ]
     return "; ".join(parts)
