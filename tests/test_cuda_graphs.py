@@ -412,6 +412,27 @@ def test_overlap_with_a_proposer_runs_only_while_no_step_speculates(tiny) -> Non
     assert engine.kv_cache.manager.num_used_blocks == 0
 
 
+def test_a_step_is_started_ahead_for_the_sequences_that_outlive_this_one(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Sequences ending by length at staggered steps: each step after an ending is started ahead for the
+    others alone (their sampled tokens gathered on the device) and used, so every step but the first
+    and the last is overlapped; the tokens are the reference loop's."""
+    engine = engine_for(tiny, block_size=4, num_kv_blocks=64, max_model_len=64, max_num_seqs=4)
+    _with_static_decode(engine, (1, 2, 4), overlap=True)
+    graphs = _graphs(engine)
+    prompts = {f"r{i}": list(range(5 + 9 * i, 12 + 9 * i)) for i in range(4)}
+    max_tokens = {rid: 3 + 2 * i for i, rid in enumerate(prompts)}  # the batch shrinks every 2 steps
+    requests = {
+        rid: (prompt, SamplingParams(temperature=0, max_tokens=max_tokens[rid], ignore_eos=True))
+        for rid, prompt in prompts.items()
+    }
+    outputs = run_to_completion(engine, requests)
+    for rid, prompt in prompts.items():
+        expected = greedy_generate(tiny.model, prompt, max_tokens[rid]).token_ids
+        assert outputs[rid].outputs[0].token_ids == expected, rid
+    decode_steps = max(max_tokens.values()) - 1  # the prefill samples each first token
+    assert graphs.num_started == graphs.num_reused == decode_steps - 1
+
+
 def test_a_started_step_is_used_by_exactly_its_rows_and_gives_their_logits(tiny) -> None:  # type: ignore[no-untyped-def]
     engine = engine_for(tiny, block_size=4, num_kv_blocks=64, max_model_len=64)
     _with_static_decode(engine, (1, 2, 4), overlap=True)
@@ -597,7 +618,7 @@ def test_reserving_is_refused_while_a_waiting_sequence_could_join() -> None:
     scheduled = scheduler.schedule()
     scheduler.add(make_sequence("late", [1, 2, 3]))
     tables, free = _tables(kv, seqs), kv.num_free_blocks
-    assert not scheduler.reserve_next_step(scheduled)
+    assert scheduler.reserve_next_step(scheduled) is None
     assert _tables(kv, seqs) == tables and kv.num_free_blocks == free
     _update(scheduler, scheduled)
     assert len(scheduler.schedule().chunks) == 4  # it did join
@@ -605,42 +626,62 @@ def test_reserving_is_refused_while_a_waiting_sequence_could_join() -> None:
     full, _, _ = _decoding([3, 4, 7], num_blocks=16, max_num_seqs=3)
     scheduled = full.schedule()
     full.add(make_sequence("late", [1, 2, 3]))
-    assert full.reserve_next_step(scheduled)
+    assert full.reserve_next_step(scheduled) == [0, 1, 2]
 
 
-@pytest.mark.parametrize(("max_tokens", "reserves"), [(2, False), (3, True)])
-def test_reserving_is_refused_when_a_sequence_ends_by_max_tokens(max_tokens: int, reserves: bool) -> None:
+@pytest.mark.parametrize(("max_tokens", "rows"), [(2, [0]), (3, [0, 1])])
+def test_a_sequence_ending_by_max_tokens_is_left_out_of_the_next_step(
+    max_tokens: int, rows: list[int]
+) -> None:
     """After the prefill each sequence has 1 output token and the decode step samples the 2nd: with
-    ``max_tokens=2`` the step after it never runs."""
+    ``max_tokens=2`` the 2nd sequence ends there, so the next step runs the 1st alone, and only the 1st
+    takes a slot."""
     scheduler, kv, seqs = _decoding([3, 8], num_blocks=16)
     seqs[1].max_tokens = max_tokens
     scheduled = scheduler.schedule()
     tables = _tables(kv, seqs)
-    assert scheduler.reserve_next_step(scheduled) == reserves
-    if not reserves:
-        assert _tables(kv, seqs) == tables
+    assert scheduler.reserve_next_step(scheduled) == rows
+    if rows == [0]:
+        assert _tables(kv, seqs)[1] == tables[1]
     _update(scheduler, scheduled)
-    assert seqs[1].is_finished != reserves
+    assert seqs[1].is_finished == (rows == [0])
+    following = scheduler.schedule()  # what the runner started: the rows that continue, one token on
+    assert [(c.seq, c.start) for c in following.chunks] == [
+        (scheduled.chunks[r].seq, scheduled.chunks[r].start + 1) for r in rows
+    ]
 
 
-@pytest.mark.parametrize(("max_model_len", "reserves"), [(10, False), (11, True)])
-def test_reserving_is_refused_when_a_sequence_ends_by_the_context_limit(
-    max_model_len: int, reserves: bool
+def test_an_ending_sequence_with_others_waiting_starts_nothing() -> None:
+    """A sequence that ends frees room for a waiting one, which the next step then admits."""
+    scheduler, kv, seqs = _decoding([3, 8], num_blocks=16, max_num_seqs=2)
+    seqs[1].max_tokens = 2
+    scheduled = scheduler.schedule()
+    scheduler.add(make_sequence("late", [1, 2, 3]))
+    tables, free = _tables(kv, seqs), kv.num_free_blocks
+    assert scheduler.reserve_next_step(scheduled) is None
+    assert _tables(kv, seqs) == tables and kv.num_free_blocks == free
+
+
+@pytest.mark.parametrize(("max_model_len", "rows"), [(10, [0]), (11, [0, 1])])
+def test_a_sequence_ending_by_the_context_limit_is_left_out_of_the_next_step(
+    max_model_len: int, rows: list[int]
 ) -> None:
     """The 9-token prompt holds 10 tokens after its decode step: at ``max_model_len=10`` it ends there."""
     scheduler, kv, seqs = _decoding([3, 8], num_blocks=16, max_model_len=max_model_len)
     scheduled = scheduler.schedule()
     assert [c.start for c in scheduled.chunks] == [3, 8]
     tables = _tables(kv, seqs)
-    assert scheduler.reserve_next_step(scheduled) == reserves
-    if not reserves:
-        assert _tables(kv, seqs) == tables
+    assert scheduler.reserve_next_step(scheduled) == rows
+    if rows == [0]:
+        assert _tables(kv, seqs)[1] == tables[1]
     _update(scheduler, scheduled)
-    assert seqs[1].is_finished != reserves
+    assert seqs[1].is_finished == (rows == [0])
 
 
-@pytest.mark.parametrize(("num_blocks", "reserves"), [(5, False), (6, True)])
-def test_reserving_is_all_or_nothing_when_blocks_are_short(num_blocks: int, reserves: bool) -> None:
+@pytest.mark.parametrize(("num_blocks", "reserves"), [(5, None), (6, [0, 1, 2])])
+def test_reserving_is_all_or_nothing_when_blocks_are_short(
+    num_blocks: int, reserves: list[int] | None
+) -> None:
     """Holding 1, 2 and 1 blocks, the 1st and 2nd sequence need one more each for the next step: with
     one block free neither gets it."""
     scheduler, kv, seqs = _decoding([3, 7, 1], num_blocks=num_blocks)

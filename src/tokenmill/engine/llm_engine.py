@@ -278,8 +278,9 @@ class LLMEngine:
             return self._forget_finished(deltas)
         with self._parallel_guard("step"):
             step = self.runner.execute(scheduled.chunks)  # if it raises, pending abort deltas are kept
-            if self._can_start_next_step(step) and self.scheduler.reserve_next_step(scheduled):
-                self.runner.start_next_step(step)
+            rows = self.scheduler.reserve_next_step(scheduled) if self._can_start_next_step(step) else None
+            if rows is not None:
+                self.runner.start_next_step(step, rows)
             result = step.result()
         deltas, self._pending = self._pending, []
         sampled = self.scheduler.update(scheduled, result)

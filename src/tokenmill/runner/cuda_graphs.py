@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 SIZE_STEP = 8  # captured sizes: 1, 2, 4, then every multiple of this
 GRAPH_LOGITS_MAX_ROWS = 16  # with logits_in_graph: 16 x a 128k vocabulary x 4 bytes = 8 MiB per graph
 _STATIC_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables")
+# The static buffers: the step's inputs, and the rows of the sampled tokens an overlapped step takes
+# (block tables last: a step of P rows copies a prefix).
+_LAYOUT_FIELDS = (*_STATIC_FIELDS[:-1], "token_rows", "block_tables")
 
 
 def cuda_graph_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -136,7 +139,7 @@ class DecodeInputs:
         sizes = {"query_start_loc": capacity + 1, "block_tables": capacity * table_width}
         dtypes = {"seq_lens": torch.int32, "query_start_loc": torch.int32, "block_tables": torch.int32}
         self.layout = PackedLayout(
-            [(name, dtypes.get(name, torch.int64), sizes.get(name, capacity)) for name in _STATIC_FIELDS]
+            [(name, dtypes.get(name, torch.int64), sizes.get(name, capacity)) for name in _LAYOUT_FIELDS]
         )
         self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
         self.views = self.layout.views(self.buffer)
@@ -157,10 +160,12 @@ class DecodeInputs:
         kv: KVCacheManager,
         num_rows: int,
         token_ids: torch.Tensor | None = None,
+        token_rows: Sequence[int] | None = None,
     ) -> None:
         """Fill the rows of ``chunks`` and pad the rest up to ``num_rows`` (a graph of ``num_rows`` reads no
         others). The input ids are the sequences' tokens, or ``token_ids`` when given: device tensors,
-        copied on the device (the tokens a step just sampled, not yet on the host)."""
+        copied on the device (the tokens a step just sampled, not yet on the host), those at
+        ``token_rows`` when given (the indexes travel with the other inputs, so nothing waits)."""
         if not len(chunks) <= num_rows <= self.capacity:
             raise ValueError(f"{len(chunks)} sequences do not fit {num_rows} rows of {self.capacity}")
         arrays = build_step_arrays(chunks, kv, num_rows, self.table_width, with_token_ids=token_ids is None)
@@ -172,11 +177,15 @@ class DecodeInputs:
             if name in arrays:
                 values = arrays[name].reshape(-1)
                 staging.views[name][: values.size] = values
+        if token_rows is not None:
+            staging.views["token_rows"][: len(token_rows)] = token_rows
         nbytes = self.layout.prefix_bytes("block_tables", num_rows * self.table_width)
         self.buffer[:nbytes].copy_(staging.tensor[:nbytes], non_blocking=True)
         if staging.copied is not None:
             staging.copied.record()
         if token_ids is not None:
+            if token_rows is not None:
+                token_ids = token_ids.index_select(0, self.views["token_rows"][: len(token_rows)])
             self.views["input_ids"][: len(chunks)].copy_(token_ids, non_blocking=True)
 
 
@@ -252,13 +261,16 @@ class DecodeGraphRunner:
         """Forget a started next step: the engine runs something else first."""
         self._started = None
 
-    def start_next_step(self, chunks: Sequence[ScheduledChunk], sampled: torch.Tensor) -> None:
-        """Enqueue the forward of the step after the decode step ``chunks``, whose ``sampled`` token ids
-        are its inputs; the scheduler has reserved the KV slots of its tokens."""
-        following = [ScheduledChunk(chunk.seq, chunk.start + 1, chunk.end + 1) for chunk in chunks]
+    def start_next_step(
+        self, chunks: Sequence[ScheduledChunk], sampled: torch.Tensor, rows: Sequence[int] | None = None
+    ) -> None:
+        """Enqueue the forward of the step after the decode step ``chunks`` for its ``rows`` (default: all),
+        whose ``sampled`` token ids are its inputs; the scheduler has reserved the KV slots of its tokens."""
+        kept = chunks if rows is None else [chunks[row] for row in rows]
+        following = [ScheduledChunk(chunk.seq, chunk.start + 1, chunk.end + 1) for chunk in kept]
         num_rows = padded_batch_size(len(following), self.sizes)
         assert num_rows is not None
-        self.inputs.write(following, self.kv, num_rows, token_ids=sampled)
+        self.inputs.write(following, self.kv, num_rows, token_ids=sampled, token_rows=rows)
         self._started = (following, self._forward(num_rows))
         self.num_started += 1
 

@@ -216,11 +216,14 @@ class ModelRunner:
         return step.reads_only_token_ids and graphs.can_run(step.chunks)
 
     @torch.inference_mode()
-    def start_next_step(self, step: PendingStep) -> None:
-        """Enqueue the decode step after ``step``, fed its sampled tokens on the device (the scheduler has
-        reserved their KV slots); the next :meth:`execute` of exactly that step reuses it."""
+    def start_next_step(self, step: PendingStep, rows: Sequence[int] | None = None) -> None:
+        """Enqueue the decode step after ``step`` for its ``rows`` (default: all; the others end here), fed
+        their sampled tokens on the device (the scheduler has reserved their KV slots); the next
+        :meth:`execute` of exactly that step reuses it."""
         assert self.decode_graphs is not None and step.sampled is not None
-        self.decode_graphs.start_next_step(step.chunks, step.sampled.token_ids)
+        if rows is not None and len(rows) == len(step.chunks):
+            rows = None
+        self.decode_graphs.start_next_step(step.chunks, step.sampled.token_ids, rows)
 
     def _sample(
         self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor, argmax: torch.Tensor | None = None

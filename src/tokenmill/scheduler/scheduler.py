@@ -256,23 +256,26 @@ class Scheduler:
         if num_later:
             del seq.token_ids[-num_later:]
 
-    def reserve_next_step(self, scheduled: SchedulerOutput) -> bool:
-        """For overlapped decoding: whether the step after ``scheduled`` (a decode step whose tokens are
-        not read yet) will almost surely run the same sequences one token further, and if so, give each
-        one a slot for that token now (a sequence whose blocks are full takes its next block one step
-        before it would; if it ends instead, the block is freed with the others). False, taking nothing,
-        when the next step may admit a waiting sequence, a sequence will end by length, or the pool is
-        short."""
-        if self.queues.waiting and len(self.queues.running) < self.config.max_running:
-            return False
-        if not all(self._continues(chunk) for chunk in scheduled.chunks):
-            return False
-        needed = sum(self.kv.blocks_needed(chunk.seq, chunk.start + 2) for chunk in scheduled.chunks)
-        if needed > self.kv.num_free_blocks:
-            return False
-        for chunk in scheduled.chunks:
+    def reserve_next_step(self, scheduled: SchedulerOutput) -> list[int] | None:
+        """For overlapped decoding: the rows of ``scheduled`` (a decode step whose tokens are not read yet)
+        whose sequences will almost surely run one token further in the next step, which then runs them
+        alone; each gets a slot for that token now (a sequence whose blocks are full takes its next block
+        one step before it would; if it ends instead, the block is freed with the others). A sequence that
+        ends by length here is left out. None, taking nothing, when the next step may admit a waiting
+        sequence, no sequence continues, or the pool is short."""
+        rows = [row for row, chunk in enumerate(scheduled.chunks) if self._continues(chunk)]
+        if self.queues.waiting and (len(rows) < len(scheduled.chunks) or not self._batch_full()):
+            return None
+        continuing = [scheduled.chunks[row] for row in rows]
+        needed = sum(self.kv.blocks_needed(chunk.seq, chunk.start + 2) for chunk in continuing)
+        if not continuing or needed > self.kv.num_free_blocks:
+            return None
+        for chunk in continuing:
             self.kv.allocate(chunk.seq, chunk.start + 2)
-        return True
+        return rows
+
+    def _batch_full(self) -> bool:
+        return len(self.queues.running) >= self.config.max_running
 
     def _continues(self, chunk: ScheduledChunk) -> bool:
         """Whether the sequence certainly runs one more step, barring a stop token."""
