@@ -311,21 +311,8 @@ def test_throughput_writes_its_report(tiny_llama_folder: Path, tmp_path: Path, c
 def test_throughput_repeat_reports_every_run_against_the_first(
     tiny_llama_folder: Path, tmp_path: Path, capsys: Any
 ) -> None:
-    argv = [
-        "--model",
-        str(tiny_llama_folder),
-        *TINY_WORKLOAD,
-        "--input-len",
-        "5",
-        "--output-len",
-        "4",
-        "--skip-hf",
-        "--repeat",
-        "3",
-        "--report-dir",
-        str(tmp_path),
-        *SMALL_KV,
-    ]
+    argv = ["--model", str(tiny_llama_folder), *TINY_WORKLOAD, "--input-len", "5", "--output-len", "4"]
+    argv += ["--skip-hf", "--repeat", "3", "--report-dir", str(tmp_path), *SMALL_KV]
     assert throughput.main(argv) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| tokenmill")]

@@ -244,11 +244,10 @@ def _graphs(engine: LLMEngine) -> DecodeGraphRunner:
     return graphs
 
 
-def _check_against_reference(tiny, engine: LLMEngine, calls: list[int]) -> None:  # type: ignore[no-untyped-def]
-    """Five requests of different lengths: the batch shrinks from 5 (above the largest size: eager) to
-    4, 3 (padded to 4), 2 and 1."""
-    prompts = {f"r{i}": list(range(3 + 7 * i, 3 + 7 * i + 2 + 5 * i)) for i in range(5)}
-    max_tokens = {rid: 3 + 2 * i for i, rid in enumerate(prompts)}
+def _serve_greedy_and_check(  # type: ignore[no-untyped-def]
+    tiny, engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: dict[str, int]
+) -> None:
+    """Serve every prompt greedily (EOS ignored) and compare each output with the reference loop's."""
     requests = {
         rid: (prompt, SamplingParams(temperature=0, max_tokens=max_tokens[rid], ignore_eos=True))
         for rid, prompt in prompts.items()
@@ -257,6 +256,14 @@ def _check_against_reference(tiny, engine: LLMEngine, calls: list[int]) -> None:
     for rid, prompt in prompts.items():
         expected = greedy_generate(tiny.model, prompt, max_tokens[rid]).token_ids
         assert outputs[rid].outputs[0].token_ids == expected, rid
+
+
+def _check_against_reference(tiny, engine: LLMEngine, calls: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """Five requests of different lengths: the batch shrinks from 5 (above the largest size: eager) to
+    4, 3 (padded to 4), 2 and 1."""
+    prompts = {f"r{i}": list(range(3 + 7 * i, 3 + 7 * i + 2 + 5 * i)) for i in range(5)}
+    max_tokens = {rid: 3 + 2 * i for i, rid in enumerate(prompts)}
+    _serve_greedy_and_check(tiny, engine, prompts, max_tokens)
     assert set(calls) == {1, 2, 3, 4}, calls  # batch 5 ran eagerly
     assert engine.kv_cache.manager.num_used_blocks == 0
 
@@ -399,14 +406,7 @@ def test_overlap_with_a_proposer_runs_only_while_no_step_speculates(tiny) -> Non
     graphs.start_next_step = recording_start  # type: ignore[method-assign]
     prompts = {f"r{i}": [5, 6, 7, 8] * 3 + [9 + i] * (i + 1) for i in range(4)}
     max_tokens = {rid: 4 + 5 * i for i, rid in enumerate(prompts)}  # the batch shrinks 4, 3, 2, 1
-    requests = {
-        rid: (prompt, SamplingParams(temperature=0, max_tokens=max_tokens[rid], ignore_eos=True))
-        for rid, prompt in prompts.items()
-    }
-    outputs = run_to_completion(engine, requests)
-    for rid, prompt in prompts.items():
-        expected = greedy_generate(tiny.model, prompt, max_tokens[rid]).token_ids
-        assert outputs[rid].outputs[0].token_ids == expected, rid
+    _serve_greedy_and_check(tiny, engine, prompts, max_tokens)
     assert graphs.num_reused > 0 and min(started_at) >= 3  # overlapped only while 3 or 4 sequences ran
     assert engine.scheduler_stats().spec_decode.num_steps > 0  # and speculated below that
     assert engine.kv_cache.manager.num_used_blocks == 0
@@ -421,14 +421,7 @@ def test_a_step_is_started_ahead_for_the_sequences_that_outlive_this_one(tiny) -
     graphs = _graphs(engine)
     prompts = {f"r{i}": list(range(5 + 9 * i, 12 + 9 * i)) for i in range(4)}
     max_tokens = {rid: 3 + 2 * i for i, rid in enumerate(prompts)}  # the batch shrinks every 2 steps
-    requests = {
-        rid: (prompt, SamplingParams(temperature=0, max_tokens=max_tokens[rid], ignore_eos=True))
-        for rid, prompt in prompts.items()
-    }
-    outputs = run_to_completion(engine, requests)
-    for rid, prompt in prompts.items():
-        expected = greedy_generate(tiny.model, prompt, max_tokens[rid]).token_ids
-        assert outputs[rid].outputs[0].token_ids == expected, rid
+    _serve_greedy_and_check(tiny, engine, prompts, max_tokens)
     decode_steps = max(max_tokens.values()) - 1  # the prefill samples each first token
     assert graphs.num_started == graphs.num_reused == decode_steps - 1
 

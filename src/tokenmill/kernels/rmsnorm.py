@@ -104,6 +104,13 @@ def _out_dtype(x: torch.Tensor, weight: torch.Tensor, unit_offset: bool) -> torc
     return x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype)
 
 
+def _tiling(width: int) -> tuple[int, int, int]:
+    """Columns (a power of two), rows per program and warps for rows of ``width`` elements."""
+    block = next_power_of_2(width)
+    rows_per_program = max(1, min(MAX_ROWS_PER_PROGRAM, ELEMENTS_PER_PROGRAM // block))
+    return block, rows_per_program, min(8, max(1, rows_per_program * block // 512))
+
+
 def _launch(
     rows: torch.Tensor,
     residual: torch.Tensor | None,
@@ -118,8 +125,7 @@ def _launch(
         raise ValueError(f"weight shape {list(weight.shape)} does not match hidden size {hidden}")
     if num_rows == 0:
         return
-    block = next_power_of_2(hidden)
-    rows_per_program = max(1, min(MAX_ROWS_PER_PROGRAM, ELEMENTS_PER_PROGRAM // block))
+    block, rows_per_program, num_warps = _tiling(hidden)
     grid = (triton.cdiv(num_rows, rows_per_program),)
     _rms_norm_kernel[grid](
         rows,
@@ -137,7 +143,7 @@ def _launch(
         rows_per_program=rows_per_program,
         block=block,
         pdl=pdl,
-        num_warps=min(8, max(1, rows_per_program * block // 512)),
+        num_warps=num_warps,
         **launch_options(pdl),
     )
 
@@ -202,8 +208,7 @@ def head_rms_norm_(
     num_tokens = qkv.shape[0]
     if num_tokens == 0:
         return
-    block = next_power_of_2(head_dim)
-    rows_per_program = max(1, min(MAX_ROWS_PER_PROGRAM, ELEMENTS_PER_PROGRAM // block))
+    block, rows_per_program, num_warps = _tiling(head_dim)
     num_heads = num_q_heads + num_k_heads
     grid = (triton.cdiv(num_tokens * num_heads, rows_per_program),)
     _head_rms_norm_kernel[grid](
@@ -220,6 +225,6 @@ def head_rms_norm_(
         rows_per_program=rows_per_program,
         block=block,
         pdl=pdl,
-        num_warps=min(8, max(1, rows_per_program * block // 512)),
+        num_warps=num_warps,
         **launch_options(pdl),
     )
