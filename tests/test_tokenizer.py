@@ -2,6 +2,7 @@
 SmolLM2 (byte-level BPE, no BOS, chat template) and Gemma 3 (SentencePiece-style, BOS, no chat template),
 plus a tiny Llama-2-style tokenizer built here (byte fallback, decoder strips the first leading space)."""
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,21 @@ def test_encode_matches_transformers_on_random_text(real: Case, text: str) -> No
     ids = real.tokenizer.encode(text)
     assert ids == real.hf.encode(text)
     assert real.tokenizer.decode(ids) == real.hf.decode(ids, skip_special_tokens=True)
+
+
+def test_decode_of_random_ids_matches_transformers(any_case: Case) -> None:
+    """Any ids, specials among them (byte-fallback runs cut anywhere, unknown pieces): ``decode`` goes
+    straight to the fast tokenizer's Rust decoder and must read exactly as transformers' ``decode``."""
+    case, rng = any_case, random.Random(1)
+    assert case.tokenizer._rust_decoder is not None  # these tokenizers take the direct path
+    specials = sorted(case.hf.all_special_ids)
+    for _ in range(200):
+        ids = [rng.randrange(case.tokenizer.vocab_size) for _ in range(rng.randint(0, 12))]
+        ids += rng.sample(specials, min(2, len(specials)))
+        rng.shuffle(ids)
+        for skip in (True, False):
+            expected = case.hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert case.tokenizer.decode(ids, skip_special_tokens=skip) == expected, (ids, skip)
 
 
 def test_special_tokens_in_text_are_single_ids(real: Case) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 import jinja2
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from tokenmill.errors import TokenizerError
 
@@ -107,10 +107,23 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of "tokenization spaces": the text is exactly what the model produced, and the
         # incremental detokenizer can reproduce it piece by piece.
+        if self._rust_decoder is not None:
+            return str(self._rust_decoder.decode(list(ids), skip_special_tokens=skip_special_tokens))
         text = self.hf_tokenizer.decode(
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
         return str(text)
+
+    @cached_property
+    def _rust_decoder(self) -> Any:
+        """The ``tokenizers`` object a fast tokenizer's ``decode`` ends in, when that is all it does (no
+        clean-up asked, no subclass decoding its own way): the streaming detokenizer decodes twice per
+        token, and the Python layers around it cost more than the decoding (H200 host, 64 rows: 1.2 of
+        ~9 ms per step under the profiler)."""
+        hf = self.hf_tokenizer
+        backend = getattr(hf, "backend_tokenizer", None)
+        plain = type(hf).decode is PreTrainedTokenizerBase.decode
+        return backend if plain and type(hf)._decode is PreTrainedTokenizerFast._decode else None
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return list(self.hf_tokenizer.convert_ids_to_tokens(list(ids)))
