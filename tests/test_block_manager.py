@@ -782,3 +782,18 @@ def test_slots_and_tables_address_the_pool_the_way_attention_reads_it() -> None:
     gathered = gather_kv_cache(pool.key, torch.from_numpy(tables), max(lengths.values()))
     for row, (seq, n) in enumerate(lengths.items()):
         torch.testing.assert_close(gathered[row, :n], keys[seq])
+
+
+def test_growing_within_held_blocks_takes_nothing_but_counts_the_slots() -> None:
+    """Most decode steps need a slot in a block the sequence holds already: nothing is taken, yet the
+    slots count for a later rollback; ``keep_free`` is still honoured."""
+    kv = PagedKVCacheManager(num_blocks=4, block_size=4)
+    seq = make_sequence("s", range(5))
+    assert kv.allocate(seq, 5) and kv.block_table(seq) == [0, 1]
+    free = kv.num_free_blocks
+    assert kv.allocate(seq, 8) and kv.block_table(seq) == [0, 1] and kv.num_free_blocks == free
+    assert kv.allocate(seq, 6)  # fewer than it holds: nothing changes
+    assert not kv.allocate(seq, 8, keep_free=free + 1)  # as when blocks are needed
+    kv.rollback(seq, 8)  # all 8 slots are held, so all can be given back
+    assert kv.block_table(seq) == [] and kv.num_free_blocks == 4
+    kv.check_integrity()

@@ -49,6 +49,10 @@ class BlockManager:
         _check_non_negative("num_tokens", num_tokens)
         return -(-num_tokens // self.block_size)
 
+    def num_slots(self, seq_id: SeqId) -> int:
+        """Token slots ``seq_id``'s blocks hold (0 for an unknown id)."""
+        return len(self._tables.get(seq_id, ())) * self.block_size
+
     def blocks_needed(self, seq_id: SeqId, total_tokens: int) -> int:
         """New blocks ``allocate(seq_id, total_tokens)`` would take; an unknown id counts as empty."""
         have = len(self._tables.get(seq_id, ()))

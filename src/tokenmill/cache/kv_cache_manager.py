@@ -184,6 +184,11 @@ class PagedKVCacheManager(KVCacheManager):
     def allocate(
         self, seq: Sequence, num_tokens: int, keep_free: int = 0, prefix: PrefixHit = NO_HIT
     ) -> bool:
+        held = self._num_tokens.get(seq.seq_id)
+        if held is not None and not keep_free and num_tokens <= self.blocks.num_slots(seq.seq_id):
+            # Within the blocks it holds (most decode steps): nothing to take.
+            self._num_tokens[seq.seq_id] = max(num_tokens, held)
+            return True
         if self.blocks_needed(seq, num_tokens) + keep_free > self.num_free_blocks:
             return False
         self._grow(seq, num_tokens)
