@@ -61,7 +61,7 @@ def test_an_engine_sets_the_host_threads_it_resolves(tiny) -> None:  # type: ign
     before = torch.get_num_threads()
     try:
         engine = engine_for(tiny, host_threads=1)
-        assert torch.get_num_threads() == 1 and "; 1 host threads;" in engine.describe_startup()
+        assert torch.get_num_threads() == 1 and "; 1 host thread;" in engine.describe_startup()
     finally:
         torch.set_num_threads(before)
 

@@ -39,10 +39,14 @@ def describe_startup(
         + (", prefix caching" if config.kv.prefix_caching else ""),
         f"max_num_seqs {scheduler.max_running}, {scheduler.token_budget} tokens per step"
         + (", chunked prefill" if scheduler.chunked_prefill else ""),
-        f"{torch.get_num_threads()} host threads",
+        _host_threads(torch.get_num_threads()),
         _times(times, graphs, prefill_graphs),
     ]
     return "; ".join(parts)
+
+
+def _host_threads(count: int) -> str:
+    return f"{count} host thread" + ("s" if count != 1 else "")
 
 
 def _device_name(device: torch.device) -> str:
