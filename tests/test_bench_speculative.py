@@ -65,7 +65,7 @@ def test_ngram_in_bfloat16_checks_a_float32_copy_first(
 ) -> None:  # type: ignore[no-untyped-def]
     """A 16-bit run may flip near-ties between a decode step and a verification step, so exactness is
     checked on a float32 copy of the model, and the 16-bit agreement is reported, not required."""
-    args = ["--model", str(smollm2_gguf_path), "--dtype", "bfloat16", "--max-tokens", "12", "--no-progress"]
+    args = ["--model", str(smollm2_gguf_path), "--dtype", "bfloat16", "--max-tokens", "4", "--no-progress"]
     args += ["--batch-size", "2", "--batch-output-len", "4", "--report-dir", str(tmp_path)]
     assert command.main(args) == 0
     out = capsys.readouterr().out
