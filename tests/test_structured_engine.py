@@ -67,12 +67,21 @@ def texts(outputs: dict[str, RequestOutput]) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def plain(smollm2, backend: str) -> dict[str, list[int]]:
-    """The workload on the plain engine: the reference the feature runs must reproduce."""
-    engine = engine_for(smollm2, max_model_len=256, structured_output_backend=backend)
+    """The workload on the plain engine, masks filled in each step: the reference the feature runs
+    (masks filled ahead by default) must reproduce."""
+    engine = engine_for(
+        smollm2, max_model_len=256, structured_output_backend=backend, structured_masks_ahead=False
+    )
     outputs = run(engine, workload(smollm2))
     assert re.fullmatch(PHONE, outputs["phone"].outputs[0].text)
     assert outputs["choice"].outputs[0].text in ("yes", "no")
     return texts(outputs)
+
+
+def test_masks_filled_ahead_give_the_same_tokens(smollm2, backend: str, plain) -> None:
+    engine = engine_for(smollm2, max_model_len=256, structured_output_backend=backend)
+    assert texts(run(engine, workload(smollm2))) == plain
+    assert engine.structured_outputs.rows_from_ahead > 0
 
 
 def test_unconstrained_neighbours_are_left_exactly_as_they_were(smollm2, backend: str, plain) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tokenmill.structured.backend import GrammarBackend, GrammarCompileError, GrammarMatcher, Vocabulary
+from tokenmill.structured.bitmask import BitmaskStaging
 from tokenmill.structured.manager import StructuredOutputs, create_backend
 from tokenmill.structured.params import MAX_JSON_WHITESPACE, StructuredOutputsParams
 
@@ -201,3 +202,35 @@ def test_compact_json_has_no_whitespace_even_after_separators(
         assert matcher.accept_token(token)
     mask = allowed(backend, matcher)
     assert mask and not any(token_texts[t][:1].isspace() for t in mask)  # the value follows ':' at once
+
+
+def test_masks_filled_ahead_equal_masks_filled_in_the_step(backend: GrammarBackend) -> None:
+    """Masks filled in the background, then taken by a step whose rows come in another order, mixed with
+    unconstrained rows, with a new matcher and with one moved after the fill: every row equals the
+    backend's own fill of that matcher at its state when the step asks, and only rows that still hold are
+    taken from the fill ahead."""
+    staging = BitmaskStaging(backend, torch.device("cpu"))
+    specs = [StructuredOutputsParams(regex=r"[0-9]{2}-[a-z]{3}"), StructuredOutputsParams(choice=["yes", "no"])]
+    grammars = [backend.compile(params.spec()) for params in specs]
+    matchers = [grammars[i % 2].matcher() for i in range(5)]
+    digits = [t for t in range(backend.vocab_size) if t in allowed(backend, matchers[0])][:3]
+    for matcher in matchers[0::2]:  # three regex matchers, at different states
+        for token in digits[: matchers.index(matcher) // 2]:
+            assert matcher.accept_token(token)
+
+    def reference(rows: list[GrammarMatcher | None]) -> torch.Tensor:
+        expected = torch.full((len(rows), backend.width), -1, dtype=torch.int32)
+        backend.fill_bitmasks([(m, i) for i, m in enumerate(rows) if m is not None], expected)
+        return expected
+
+    staging.fill_ahead(matchers)
+    assert torch.equal(staging.fill(matchers), reference(list(matchers)))  # the fill ahead as it is
+    assert staging.rows_from_ahead == len(matchers)
+
+    staging.fill_ahead(matchers)
+    moved, fresh = matchers[1], grammars[0].matcher()
+    staging.before_advance(moved)
+    assert moved.accept_token(next(iter(allowed(backend, moved))))
+    step: list[GrammarMatcher | None] = [matchers[4], None, moved, fresh, matchers[0], None, matchers[2]]
+    assert torch.equal(staging.fill(step), reference(step))
+    assert staging.rows_from_ahead == len(matchers) + 3  # matchers 4, 0 and 2; not the moved or new one

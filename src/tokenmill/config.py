@@ -282,6 +282,9 @@ class EngineConfig:
     # The grammar engine of structured outputs (JSON schema, regex, choice, grammar): llguidance, or
     # xgrammar (pip install 'tokenmill[xgrammar]'). Built at the first constrained request.
     structured_output_backend: StructuredOutputBackendName = "llguidance"
+    # Fill the grammar masks of a step's constrained rows in the background as soon as the previous step's
+    # tokens are known, off the host's critical path (tokenmill.structured.bitmask).
+    structured_masks_ahead: bool = True
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)

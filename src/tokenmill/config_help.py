@@ -26,6 +26,8 @@ OPTION_HELP: dict[str, str] = {
     "debug_checks": "check the block allocator and the prefix tree after every step (slow)",
     "structured_output_backend": "grammar engine of structured outputs (JSON schema, regex, choice, "
     "grammar): llguidance, or xgrammar (pip install 'tokenmill[xgrammar]')",
+    "structured_masks_ahead": "fill the next step's grammar masks in the background as soon as this "
+    "step's tokens are read, instead of on the step's critical path",
     "warm_start": "run synthetic requests through every kernel at start-up, so none compiles inside a "
     "request; unset: on where Triton kernels compile (CUDA)",
     "host_threads": "torch's CPU threads in the engine's process; unset: 1 on a GPU unless OMP_NUM_THREADS "

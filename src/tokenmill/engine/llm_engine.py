@@ -286,16 +286,22 @@ class LLMEngine:
         sampled = self.scheduler.update(scheduled, result)
         remaining = collections.Counter(seq for seq, _, _ in sampled)  # tokens of each still to come
         cut: set[Sequence] = set()  # sequences a stop string ended before their last token of this step
+        advanced = False
         for seq, token, logprobs in sampled:
             remaining[seq] -= 1
             if seq in cut:
                 continue
             if seq.grammar is not None:
                 self._advance_grammar(seq, token)
+                advanced = True
             delta, stopped = self._token_delta(seq, token, logprobs, remaining[seq])
             deltas.append(delta)
             if stopped:
                 cut.add(seq)
+        if advanced and self.config.structured_masks_ahead:
+            self.structured_outputs.fill_ahead(
+                [seq.grammar for seq in self.scheduler.running if seq.grammar is not None and not seq.is_finished]
+            )
         if self.config.debug_checks:
             self.scheduler.check_integrity()
         return self._forget_finished(deltas)
@@ -317,7 +323,7 @@ class LLMEngine:
         grammar refuses cannot come from its mask, except where nothing was left to sample (every allowed
         token banned, e.g. EOS by ``min_tokens``): that sequence ends there."""
         assert seq.grammar is not None
-        if not seq.grammar.accept_token(token):
+        if not self.structured_outputs.advance(seq.grammar, token):
             logger.warning("%s: token %d is outside its grammar; ending it", seq.seq_id, token)
         elif not seq.grammar.is_terminated():
             return

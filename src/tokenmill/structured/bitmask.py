@@ -2,12 +2,21 @@
 
 A bitmask row has ``ceil(vocab / 32)`` int32 words; bit ``t % 32`` of word ``t // 32`` allows token ``t``.
 A step's constrained rows are filled by the grammar backend and every other row allows everything (all
-bits set), so one ``[B, words]`` tensor masks the whole batch. On CUDA the host rows are pinned and two
+bits set), so one ``[B, words]`` tensor masks the whole batch. On CUDA the host rows are pinned and
 buffers take turns, so a buffer is refilled only once its last copy has run.
+
+Masks ahead (``EngineConfig.structured_masks_ahead``): once the engine has moved the matchers past a
+step's tokens, :meth:`BitmaskStaging.fill_ahead` starts filling their next masks on a background thread
+(llguidance's fill releases the GIL), while the host reads out the step, schedules the next one and the
+device runs its forward pass; the next :meth:`BitmaskStaging.fill` takes those rows instead of filling
+them on the step's critical path. A matcher moved again since is filled anew.
 """
 
 import math
 import sys
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,6 +56,18 @@ class _HostRows:
         self.copied = torch.cuda.Event() if pinned else None
 
 
+@dataclass
+class _MasksAhead:
+    """Masks being filled in the background: row i of ``host`` for ``matchers[i]``."""
+
+    matchers: list[GrammarMatcher]
+    host: _HostRows
+    done: "Future[None]"
+
+    def row_of(self) -> dict[int, int]:
+        return {id(matcher): row for row, matcher in enumerate(self.matchers)}
+
+
 class BitmaskStaging:
     """Fills a step's bitmask on the host and hands it to the device."""
 
@@ -55,29 +76,102 @@ class BitmaskStaging:
         self.device = device
         self._buffers: list[_HostRows] = []
         self._turn = 0
+        self._ahead: _MasksAhead | None = None
+        self._thread: ThreadPoolExecutor | None = None
+        self.rows_from_ahead = 0  # rows a fill took from masks filled ahead (for tests and benchmarks)
 
-    def fill(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
+    def fill(self, matchers: Sequence[GrammarMatcher | None]) -> torch.Tensor:
         """The ``[len(matchers), words]`` bitmask on the device: row i from ``matchers[i]``, or all ones
-        where it is None. Nothing here waits for the device, except on a buffer whose copy of two steps
+        where it is None. Nothing here waits for the device, except on a buffer whose copy of a few steps
         ago has not run yet."""
-        host = self._next_buffer(len(matchers))
-        rows = host.tensor[: len(matchers)]
-        if host.copied is not None:
-            host.copied.synchronize()
-        rows.fill_(-1)
+        ahead = self._take_ahead()
         constrained = [(matcher, row) for row, matcher in enumerate(matchers) if matcher is not None]
-        self.backend.fill_bitmasks(constrained, rows)
+        if ahead is not None and _same_matchers(ahead.matchers, matchers):
+            host, rows = ahead.host, ahead.host.tensor[: len(matchers)]  # every row filled ahead
+            self.rows_from_ahead += len(matchers)
+        else:
+            host = self._free_buffer(len(matchers))
+            rows = host.tensor[: len(matchers)]
+            if len(constrained) < len(matchers):
+                rows.fill_(-1)
+            if ahead is not None:
+                constrained = self._copy_filled_ahead(ahead, constrained, rows)
+            if constrained:
+                self.backend.fill_bitmasks(constrained, rows)
         if host.copied is None:  # the CPU (read before the next fill), or a device without pinned copies
             return rows.to(self.device)
         on_device = rows.to(self.device, non_blocking=True)
         host.copied.record()
         return on_device
 
-    def _next_buffer(self, num_rows: int) -> _HostRows:
+    def fill_ahead(self, matchers: Sequence[GrammarMatcher]) -> None:
+        """Start filling the next masks of ``matchers`` (each at its state now) in the background."""
+        self._take_ahead()
+        if not matchers:
+            return
+        host = self._free_buffer(len(matchers))
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-masks")
+        rows = [(matcher, row) for row, matcher in enumerate(matchers)]
+        done = self._thread.submit(self.backend.fill_bitmasks, rows, host.tensor[: len(matchers)])
+        self._ahead = _MasksAhead(list(matchers), host, done)
+
+    def before_advance(self, matcher: GrammarMatcher) -> None:
+        """``matcher`` is about to move: a background fill reading it must end first, and its row filled
+        ahead no longer holds."""
+        ahead = self._ahead
+        if ahead is not None and any(matcher is filled for filled in ahead.matchers):
+            ahead.done.result()
+            ahead.matchers = [m if m is not matcher else _MOVED for m in ahead.matchers]
+
+    def _take_ahead(self) -> _MasksAhead | None:
+        """The masks filled ahead, once their fill has finished (None when there are none)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.done.result()
+        return ahead
+
+    def _copy_filled_ahead(
+        self, ahead: _MasksAhead, constrained: list[tuple[GrammarMatcher, int]], rows: torch.Tensor
+    ) -> list[tuple[GrammarMatcher, int]]:
+        """Copy into ``rows`` the rows of ``constrained`` filled ahead; the ones still to fill."""
+        row_of = ahead.row_of()
+        found = [(row_of[id(matcher)], row) for matcher, row in constrained if id(matcher) in row_of]
+        if found:
+            source, target = zip(*found, strict=True)
+            rows[list(target)] = ahead.host.tensor[list(source)]
+            self.rows_from_ahead += len(found)
+        return [(matcher, row) for matcher, row in constrained if id(matcher) not in row_of]
+
+    def _free_buffer(self, num_rows: int) -> _HostRows:
+        """The next host buffer of at least ``num_rows`` rows whose last copy to the device has run."""
         if not self._buffers or self._buffers[0].tensor.shape[0] < num_rows:
             capacity = max(num_rows, 2 * self._buffers[0].tensor.shape[0] if self._buffers else 8)
-            count = 2 if self.device.type == "cuda" else 1
+            # On CUDA: one being copied, one filled for this step, one filled ahead for the next.
+            count = 3 if self.device.type == "cuda" else 2
             self._buffers = [_HostRows(capacity, self.backend.width, self.device) for _ in range(count)]
         host = self._buffers[self._turn % len(self._buffers)]
         self._turn += 1
+        if host.copied is not None:
+            host.copied.synchronize()
         return host
+
+
+class _Moved(GrammarMatcher):
+    """Stands in a fill-ahead list for a matcher that moved after its row was filled."""
+
+    def accept_token(self, token_id: int) -> bool:
+        raise AssertionError("a placeholder")
+
+    def is_terminated(self) -> bool:
+        raise AssertionError("a placeholder")
+
+    def rollback(self, num_tokens: int) -> None:
+        raise AssertionError("a placeholder")
+
+
+_MOVED = _Moved()
+
+
+def _same_matchers(filled: Sequence[GrammarMatcher], wanted: Sequence[GrammarMatcher | None]) -> bool:
+    return len(filled) == len(wanted) and all(a is b for a, b in zip(filled, wanted, strict=True))

@@ -102,7 +102,25 @@ class StructuredOutputs:
 
     def bitmask(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
         """A step's ``[len(matchers), ceil(vocab / 32)]`` int32 bitmask on the device; rows whose matcher
-        is None allow every token. Called by the engine thread only."""
+        is None allow every token. Called by the engine thread only (as are the two methods below)."""
+        return self._bitmask_staging().fill(matchers)
+
+    def fill_ahead(self, matchers: Sequence[GrammarMatcher]) -> None:
+        """Start filling the next masks of ``matchers`` in the background, for the next :meth:`bitmask`."""
+        self._bitmask_staging().fill_ahead(matchers)
+
+    def advance(self, matcher: GrammarMatcher, token_id: int) -> bool:
+        """Move ``matcher`` past ``token_id`` (False: the grammar refuses it)."""
+        if self._staging is not None:
+            self._staging.before_advance(matcher)
+        return matcher.accept_token(token_id)
+
+    @property
+    def rows_from_ahead(self) -> int:
+        """Bitmask rows taken from masks filled ahead so far."""
+        return 0 if self._staging is None else self._staging.rows_from_ahead
+
+    def _bitmask_staging(self) -> BitmaskStaging:
         if self._staging is None:
             self._staging = BitmaskStaging(self.backend, self.device)
-        return self._staging.fill(matchers)
+        return self._staging
