@@ -14,6 +14,7 @@ them on the step's critical path. A matcher moved again since is filled anew.
 
 import math
 import sys
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -113,7 +114,16 @@ class BitmaskStaging:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-masks")
         rows = [(matcher, row) for row, matcher in enumerate(matchers)]
-        done = self._thread.submit(self.backend.fill_bitmasks, rows, host.tensor[: len(matchers)])
+        started = threading.Event()
+
+        def fill() -> None:
+            started.set()
+            self.backend.fill_bitmasks(rows, host.tensor[: len(matchers)])
+
+        done = self._thread.submit(fill)
+        # Hand the thread the GIL now: while this one runs Python, it would wait for it up to the switch
+        # interval (5 ms), and then the fill would not run ahead at all. The backend's fill releases it.
+        started.wait()
         self._ahead = _MasksAhead(list(matchers), host, done)
 
     def before_advance(self, matcher: GrammarMatcher) -> None:
