@@ -118,6 +118,21 @@ def test_greedy_speculation_survives_chunking_prefix_hits_and_preemption(
     assert engine.kv_cache.manager.num_used_blocks == 0
 
 
+def test_a_draft_whose_guesses_did_not_all_fit_catches_up_from_the_last_token(tiny) -> None:  # type: ignore[no-untyped-def]
+    """A tight pool attaches fewer guesses than the draft made; when all are accepted, the model's next
+    token is the draft's next guess, whose KV the draft has: it still recomputes the last token, whose
+    logits give the next round's first guess."""
+    workload = repetitive_workload(random.Random(3), 6)
+    engine = speculative_engine(
+        tiny, tiny, block_size=4, num_kv_blocks=14, max_model_len=64, max_num_seqs=4, debug_checks=True
+    )
+    outputs = run_workload(engine, workload)
+    assert_matches_reference(tiny, workload, outputs)
+    stats = engine.scheduler_stats()
+    assert stats.num_preemptions > 0
+    assert stats.spec_decode.num_accepted == stats.spec_decode.num_proposed > 0
+
+
 def test_priority_preemption_with_speculation_keeps_greedy_outputs(tiny) -> None:  # type: ignore[no-untyped-def]
     workload = repetitive_workload(random.Random(2), 8)
     engine = speculative_engine(

@@ -114,7 +114,11 @@ class DraftModelProposer(Proposer):
         if shadow is None:
             shadow = Seq(seq.seq_id, seq.prompt_token_ids, seq.params, seq.max_tokens, seq.eos_token_ids)
             self.shadows[seq.seq_id] = shadow
-        kept = min(shadow.num_computed_tokens, _common_prefix(shadow.token_ids, seq.token_ids))
+        # Never all of seq's tokens: the last one's logits give the first guess. The draft may have computed
+        # it already, when the step verified fewer guesses than proposed and its bonus token was the next.
+        kept = min(
+            shadow.num_computed_tokens, _common_prefix(shadow.token_ids, seq.token_ids), seq.num_tokens - 1
+        )
         manager.rollback(shadow, shadow.num_computed_tokens - kept)  # its slots: exactly its computed ones
         shadow.token_ids = list(seq.token_ids)
         shadow.num_computed_tokens = kept
