@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from engine_helpers import engine_for
+from spec_workloads import repetitive_workload, run_workload
 from tiny_models import save_tiny_model, tiny_configs
 from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
@@ -49,37 +50,6 @@ def speculative_engine(target: LoadedModel, draft: LoadedModel | None = None, **
             "num_speculative_tokens": 3,
         }
     return LLMEngine(EngineConfig().with_options(**options), loaded=target, draft=draft)
-
-
-def repetitive_workload(rng: random.Random, count: int) -> dict[str, tuple[list[int], int]]:
-    """Prompts that repeat a short pattern (prompt lookup finds it), and some that do not."""
-    workload = {}
-    for i in range(count):
-        pattern = [rng.randrange(3, 384) for _ in range(rng.randint(2, 5))]
-        noise = [rng.randrange(3, 384) for _ in range(rng.randint(1, 6))]
-        prompt = noise + pattern * rng.randint(2, 4) if i % 3 else noise * 2
-        workload[f"r{i}"] = (prompt, rng.randint(4, 24))
-    return workload
-
-
-def run_workload(
-    engine: LLMEngine, workload: dict[str, tuple[list[int], int]], seed: int = 0
-) -> dict[str, list[int]]:
-    """Add the requests a few at a time between steps (continuous batching); greedy, EOS ignored."""
-    rng = random.Random(seed)
-    arrivals = list(workload)
-    outputs: dict[str, list[int]] = {rid: [] for rid in workload}
-    while arrivals or engine.has_unfinished_requests():
-        for _ in range(rng.randint(1, 3)):
-            if arrivals:
-                rid = arrivals.pop(0)
-                prompt, max_tokens = workload[rid]
-                engine.add_request(
-                    rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-                )
-        for delta in engine.step():
-            outputs[delta.request_id] += delta.new_token_ids
-    return outputs
 
 
 def assert_matches_reference(
@@ -146,6 +116,21 @@ def test_greedy_speculation_survives_chunking_prefix_hits_and_preemption(
     assert (stats.num_preemptions > 0) == tight_pool
     assert (stats.prefix_cache_hits > 0) == prefix_caching
     assert engine.kv_cache.manager.num_used_blocks == 0
+
+
+def test_a_draft_whose_guesses_did_not_all_fit_catches_up_from_the_last_token(tiny) -> None:  # type: ignore[no-untyped-def]
+    """A tight pool attaches fewer guesses than the draft made; when all are accepted, the model's next
+    token is the draft's next guess, whose KV the draft has: it still recomputes the last token, whose
+    logits give the next round's first guess."""
+    workload = repetitive_workload(random.Random(3), 6)
+    engine = speculative_engine(
+        tiny, tiny, block_size=4, num_kv_blocks=14, max_model_len=64, max_num_seqs=4, debug_checks=True
+    )
+    outputs = run_workload(engine, workload)
+    assert_matches_reference(tiny, workload, outputs)
+    stats = engine.scheduler_stats()
+    assert stats.num_preemptions > 0
+    assert stats.spec_decode.num_accepted == stats.spec_decode.num_proposed > 0
 
 
 def test_priority_preemption_with_speculation_keeps_greedy_outputs(tiny) -> None:  # type: ignore[no-untyped-def]

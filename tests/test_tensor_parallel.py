@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from quant_reference import write_prequantized
-from tiny_models import save_tiny_model
+from tiny_models import head_split_configs, save_tiny_model
 from tokenmill import LLM
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -25,41 +25,15 @@ from tokenmill.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 PROMPTS = {"a": [5, 6, 7, 8, 9], "b": [30, 31, 32], "c": [100, 7, 250, 3, 3, 9, 40]}
-# Llama configs whose heads split over 3 ranks: KV heads sharded (3) or replicated (1).
-_SIX_HEADS = {
-    "vocab_size": 384,
-    "hidden_size": 96,
-    "intermediate_size": 192,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 6,
-    "max_position_embeddings": 512,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-EXTRA_CONFIGS = {
-    "llama-6h-3kv": LlamaConfig(**_SIX_HEADS, num_key_value_heads=3),
-    "llama-6h-1kv": LlamaConfig(**_SIX_HEADS, num_key_value_heads=1),
-}
-
-
-def _save_config(config: LlamaConfig, folder: Path) -> None:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     saved = {}
-    for name in ("llama3", "llama-tied", "mistral", "qwen2", "qwen3", "gemma3", "gpt2"):
+    names = ("llama3", "llama-tied", "mistral", "qwen2", "qwen3", "gemma3", "gpt2", *head_split_configs())
+    for name in names:
         saved[name] = tmp_path_factory.mktemp(name)
         save_tiny_model(name, saved[name])
-    for name, config in EXTRA_CONFIGS.items():
-        saved[name] = tmp_path_factory.mktemp(name)
-        _save_config(config, saved[name])
     return saved
 
 

@@ -65,12 +65,31 @@ def tiny_configs() -> dict[str, PretrainedConfig]:
     }
 
 
+_SIX_HEADS: dict[str, Any] = {
+    **_COMMON,
+    "hidden_size": 96,
+    "intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 6,
+}
+
+
+def head_split_configs() -> dict[str, PretrainedConfig]:
+    """Llama configs whose heads split over 3 tensor-parallel ranks: KV heads sharded (3) or, fewer than
+    the ranks, replicated (1)."""
+    return {
+        "llama-6h-3kv": LlamaConfig(**{**_SIX_HEADS, "num_key_value_heads": 3}),
+        "llama-6h-1kv": LlamaConfig(**{**_SIX_HEADS, "num_key_value_heads": 1}),
+    }
+
+
 def save_tiny_model(
     name: str, folder: Path, seed: int = 0, max_shard_size: str | None = None
 ) -> torch.nn.Module:
-    """Build the tiny model with weights perturbed away from their init (norms included), save it."""
+    """Build the tiny model (of :func:`tiny_configs` or :func:`head_split_configs`) with weights perturbed
+    away from their init (norms included), save it."""
     torch.manual_seed(seed)
-    config = tiny_configs()[name]
+    config = {**tiny_configs(), **head_split_configs()}[name]
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         for param in model.parameters():

@@ -297,12 +297,6 @@ class EngineConfig:
         _require_at_least_one("tensor_parallel_size", self.tensor_parallel_size)
         if self.host_threads is not None:
             _require_at_least_one("host_threads", self.host_threads)
-        _require(
-            self.tensor_parallel_size == 1 or self.speculative.method is None,
-            "tensor_parallel_size",
-            "1 with speculative decoding (its draft model is not sharded yet)",
-            self.tensor_parallel_size,
-        )
         _require_choice(
             "structured_output_backend", self.structured_output_backend, ("llguidance", "xgrammar")
         )

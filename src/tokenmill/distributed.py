@@ -1,13 +1,18 @@
 """Tensor-parallel process state.
 
-Linear layers and embeddings ask this module for their rank and world size so that they load only
-their shard of each weight. Without an initialized tensor-parallel group everything runs as rank 0 of 1
-and no collective is called. :func:`init_tensor_parallel` (called by :mod:`tokenmill.parallel`) starts
-the group: the model's collectives run on the default process group (NCCL on CUDA, gloo on CPU); the
-step inputs rank 0 sends each step travel on a second, gloo group (:func:`control_group`).
+Linear layers and embeddings ask this module for their rank and world size once, when they are built,
+so that they load only their shard of each weight, and pass that world size to the collectives they
+call: a layer built as rank 0 of 1 calls none, whatever group its process has joined. Without an
+initialized tensor-parallel group everything is built as rank 0 of 1, and :func:`unsharded` builds so
+inside one (the draft model rank 0 runs alone). :func:`init_tensor_parallel` (called by
+:mod:`tokenmill.parallel`) starts the group: the model's collectives run on the default process group
+(NCCL on CUDA, gloo on CPU); the step inputs rank 0 sends each step travel on a second, gloo group
+(:func:`control_group`).
 """
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -50,23 +55,36 @@ def tp_rank() -> int:
     return _STATE.rank
 
 
+@contextlib.contextmanager
+def unsharded() -> Iterator[None]:
+    """Build as rank 0 of 1 inside a tensor-parallel process: the layers of a model built here take whole
+    weights and never call a collective, so this process can run it alone (the group stays joined)."""
+    saved = _STATE.world_size, _STATE.rank
+    _STATE.world_size, _STATE.rank = 1, 0
+    try:
+        yield
+    finally:
+        _STATE.world_size, _STATE.rank = saved
+
+
 def control_group() -> dist.ProcessGroup:
     if _STATE.control is None:
         raise RuntimeError("no tensor-parallel group has been started")
     return _STATE.control
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    if _STATE.world_size > 1:
+def all_reduce_sum(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The sum of ``x`` over the ``world_size`` ranks a layer was built for (1: ``x``, no collective)."""
+    if world_size > 1:
         dist.all_reduce(x)
     return x
 
 
-def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    world = _STATE.world_size
-    if world == 1:
+def all_gather_last_dim(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The ranks' ``x`` side by side along the last dimension (1: ``x``, no collective)."""
+    if world_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(world)]
+    parts = [torch.empty_like(x) for _ in range(world_size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
 

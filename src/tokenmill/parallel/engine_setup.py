@@ -15,8 +15,8 @@ def start_workers(config: EngineConfig, device: torch.device, preloaded: bool) -
         return None
     if preloaded:
         raise ValueError(
-            "tensor_parallel_size > 1 loads each rank's shard of the model itself: pass the model by "
-            "name (EngineConfig.model), not an already-loaded one"
+            "tensor_parallel_size > 1 loads each rank's shard of the model (and the draft model, whole on "
+            "rank 0) itself: pass them by name (model, speculative_model), not already loaded"
         )
     if device.type == "cuda" and config.kv.num_blocks is None:
         raise ValueError(

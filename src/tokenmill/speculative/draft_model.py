@@ -8,6 +8,10 @@ guess, feeds it back and samples the next, ``k`` times, all sequences of the rou
 guess is drawn from the distribution a plain step of the draft would draw from (the request's temperature,
 filters and penalties); those distributions go to the rejection sampler as ``q`` (None for greedy
 requests, whose guesses are one-hot).
+
+Under tensor parallelism the draft runs whole on rank 0 alone (as vLLM's draft tensor-parallel size 1): it
+is built :func:`~tokenmill.distributed.unsharded`, so its layers call no collective, and its runner has
+no mirror, so its steps are not sent to the workers; only the target's verification steps are.
 """
 
 import math
@@ -17,6 +21,7 @@ import torch
 
 from tokenmill.attention.selector import create_attention_backend
 from tokenmill.config import EngineConfig
+from tokenmill.distributed import unsharded
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.runner.cuda_graphs import cuda_graph_sizes
@@ -55,14 +60,16 @@ class DraftModelProposer(Proposer):
         target's, and give it a KV pool of its own (no prefix cache) and, where the target has them, CUDA
         graphs: decode graphs for its one-token steps, one-sequence prefill graphs for a catch-up."""
         spec = config.speculative
-        draft = draft or load_model(
-            spec.model,
-            device=target.device,
-            dtype=target.dtype,
-            load_format=spec.load_format,
-            max_model_len=max_model_len,
-            seed=config.seed,
-        )
+        if draft is None:
+            with unsharded():  # whole, even in a tensor-parallel engine: only this rank runs it
+                draft = load_model(
+                    spec.model,
+                    device=target.device,
+                    dtype=target.dtype,
+                    load_format=spec.load_format,
+                    max_model_len=max_model_len,
+                    seed=config.seed,
+                )
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"speculative_model {spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens and "
@@ -114,7 +121,11 @@ class DraftModelProposer(Proposer):
         if shadow is None:
             shadow = Seq(seq.seq_id, seq.prompt_token_ids, seq.params, seq.max_tokens, seq.eos_token_ids)
             self.shadows[seq.seq_id] = shadow
-        kept = min(shadow.num_computed_tokens, _common_prefix(shadow.token_ids, seq.token_ids))
+        # Never all of seq's tokens: the last one's logits give the first guess. The draft may have computed
+        # it already, when the step verified fewer guesses than proposed and its bonus token was the next.
+        kept = min(
+            shadow.num_computed_tokens, _common_prefix(shadow.token_ids, seq.token_ids), seq.num_tokens - 1
+        )
         manager.rollback(shadow, shadow.num_computed_tokens - kept)  # its slots: exactly its computed ones
         shadow.token_ids = list(seq.token_ids)
         shadow.num_computed_tokens = kept
@@ -170,7 +181,7 @@ def _draft_runner(
         pool["num_kv_blocks"] = math.ceil(tokens / config.kv.block_size)
     draft_config = config.with_options(**pool)
     kv = create_kv_cache(draft_config, draft.config, max_model_len, draft.device, draft.dtype)
-    return ModelRunner(
+    return ModelRunner(  # no mirror: the draft's steps stay on this rank
         model,
         backend,
         Sampler(),

@@ -41,7 +41,7 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = input_ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= self.local_vocab)
         out = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
-        return all_reduce_sum(out.masked_fill(outside.unsqueeze(-1), 0))
+        return all_reduce_sum(out.masked_fill(outside.unsqueeze(-1), 0), self.tp_size)
 
 
 class ParallelLMHead(VocabParallelEmbedding, LinearProjection):
@@ -74,4 +74,4 @@ class ParallelLMHead(VocabParallelEmbedding, LinearProjection):
         return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(self.project(hidden)).float()
+        return all_gather_last_dim(self.project(hidden), self.tp_size).float()

@@ -249,4 +249,4 @@ class RowParallelLinear(LinearBase):
         return self.bias if self.tp_rank == 0 else None
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(partial)
+        return all_reduce_sum(partial, self.tp_size)
