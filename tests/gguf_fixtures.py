@@ -95,20 +95,27 @@ def save_hf_model(config: PretrainedConfig, folder: Path, seed: int = 0) -> torc
 
 
 _PROJECTIONS = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight")
+_HEADS = ("token_embd.weight", "output.weight")
 
 
 def write_gguf(
-    model: torch.nn.Module, arch: str, path: Path, qtype: gguf.GGMLQuantizationType | None = None
+    model: torch.nn.Module,
+    arch: str,
+    path: Path,
+    qtype: gguf.GGMLQuantizationType | None = None,
+    head_qtype: gguf.GGMLQuantizationType | None = None,
 ) -> Path:
     """``qtype``: store the projection weights in that format (gguf-py quantizes them), as llama.cpp's
-    quantized files do; everything else stays float32."""
+    quantized files do; ``head_qtype``: the embedding and output head too (llama.cpp's files keep them
+    in Q8_0 / Q6_K); everything else stays float32."""
     config: Any = model.config
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, arch, config)
     for name, array in _gguf_tensors(model, arch):
-        if qtype is not None and _PROJECTIONS.fullmatch(name):
-            raw = gguf.quants.quantize(np.ascontiguousarray(array), qtype)
-            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+        wanted = qtype if _PROJECTIONS.fullmatch(name) else head_qtype if name in _HEADS else None
+        if wanted is not None:
+            raw = gguf.quants.quantize(np.ascontiguousarray(array), wanted)
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=wanted)
             continue
         writer.add_tensor(name, array)
     writer.write_header_to_file()

@@ -15,7 +15,7 @@ from tiny_models import save_tiny_model
 from tokenmill.errors import ModelLoadError
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.models.layers.linear import LinearBase
-from tokenmill.quantization.gguf_method import GGUFLinearMethod, packed_weight
+from tokenmill.quantization.gguf_method import GGUFLinearMethod, packed_nbytes, packed_weight
 from tokenmill.quantization.gguf_packed import PackedRows, PackedWeight
 from tokenmill.quantization.shards import RowShard
 from tokenmill.reference import greedy_generate
@@ -48,6 +48,26 @@ def test_packed_projections_compute_the_float32_models_logits(name: str, qtype: 
             assert module.weight.numel() == 0  # a placeholder: no float32 copy is kept
             weight = module.quant_method.dequantized_weight(module, torch.float32)
             assert torch.equal(weight, floats[module_name].weight), module_name
+    expected, got = greedy_generate(float32.model, PROMPT, 12), greedy_generate(packed.model, PROMPT, 12)
+    torch.testing.assert_close(got.prompt_logits, expected.prompt_logits, rtol=0, atol=1e-5)
+    assert got.token_ids == expected.token_ids
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "llama3"])
+def test_a_head_stored_in_blocks_is_kept_packed(name: str, tmp_path: Path) -> None:
+    """A Q8_0 embedding and head (tied: the head reads token_embd's blocks while the lookups read a float
+    copy; untied: output's blocks): the head holds only blocks, equal to the float32 model's head, and
+    the logits and greedy tokens are the float32 model's. A float head stays float (the tests above)."""
+    reference = save_hf_model(tiny_gguf_config(name), tmp_path / "hf")
+    path = write_gguf(reference, GGUF_ARCH[name], tmp_path / f"{name}.gguf", Q.Q8_0, head_qtype=Q.Q8_0)
+    float32, packed = load_model(path), load_model(path, quantization="gguf")
+    head = packed.model.lm_head
+    assert isinstance(head.quant_method, GGUFLinearMethod) and packed_nbytes(head) > 0
+    dequantized = head.quant_method.dequantized_weight(head, torch.float32)
+    assert torch.equal(dequantized, float32.model.lm_head.weight)
+    tied = packed.model.config.tie_word_embeddings
+    assert tied == (name == "llama-tied")
+    assert torch.equal(packed.model.model.embed_tokens.weight, float32.model.model.embed_tokens.weight)
     expected, got = greedy_generate(float32.model, PROMPT, 12), greedy_generate(packed.model, PROMPT, 12)
     torch.testing.assert_close(got.prompt_logits, expected.prompt_logits, rtol=0, atol=1e-5)
     assert got.token_ids == expected.token_ids
@@ -104,6 +124,7 @@ def test_real_models_through_the_gguf_method_decode_the_float32_greedy_tokens(
     layers = [m for m in packed.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert len(layers) == 4 * packed.engine.model_config.num_layers
     assert all(layer.weight.numel() == 0 for layer in layers)
+    assert packed_nbytes(packed.engine.runner.model.lm_head) > 0  # both tie a Q8_0 head to token_embd
     assert (greedy(packed, prompts[:1]), greedy(packed, prompts)) == expected
 
 

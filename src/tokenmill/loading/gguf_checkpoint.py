@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 _TENSOR_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's encoding of Llama 3 rope scaling, read into the config
+_EMBEDDING, _OUTPUT = "token_embd.weight", "output.weight"
 # Llama 3.x rope scaling: only ``factor`` differs between models, and rope_freqs carries it.
 _LLAMA3_ROPE_BANDS: dict[str, Any] = {
     "low_freq_factor": 1.0,
@@ -297,7 +298,7 @@ class GGUFCheckpoint(Checkpoint):
                 "architectures": [self.architecture],
                 **self.spec.config(self.meta, self.file),
                 "vocab_size": self._vocab_size(),
-                "tie_word_embeddings": "output.weight" not in self.file.tensors,
+                "tie_word_embeddings": _OUTPUT not in self.file.tensors,
                 **_present(
                     {"bos_token_id": self.meta.token_id("bos"), "eos_token_id": self.meta.token_id("eos")}
                 ),
@@ -332,6 +333,14 @@ class GGUFCheckpoint(Checkpoint):
                 continue
             tensor = torch.from_numpy(self.file.read_float32(info))
             yield hf_name, self._to_hf_layout(name, stem, tensor, config)
+            if name == _EMBEDDING and config["tie_word_embeddings"] and self.packs_lm_head():
+                yield "lm_head.weight", projection_blocks(self.file, info, None)  # type: ignore[misc]
+
+    def packs_lm_head(self) -> bool:
+        """Whether, packed, the LM head gets blocks of its own: those of ``output`` or, tied, of the
+        embedding (which also loads as float, for the lookups), in a format the kernel reads."""
+        info = self.file.tensors.get(_OUTPUT) or self.file.tensors.get(_EMBEDDING)
+        return self.keep_packed and info is not None and keeps_packed("lm_head.weight", info, False)
 
     def _split_name(self, name: str) -> tuple[int | None, str, str]:
         match = _TENSOR_NAME.fullmatch(name)

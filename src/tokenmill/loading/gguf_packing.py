@@ -23,7 +23,7 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def keeps_packed(hf_name: str, info: GGUFTensorInfo, transposed: bool) -> bool:
     """Whether the tensor ``info``, loaded as ``hf_name``, is yielded as blocks."""
     return (
-        hf_name.endswith("_proj.weight")
+        (hf_name.endswith("_proj.weight") or hf_name == "lm_head.weight")
         and not transposed
         and len(info.shape) == 2
         and info.qtype in SUPPORTED_QTYPES

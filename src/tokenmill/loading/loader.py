@@ -4,7 +4,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +90,7 @@ def load_model(
         quant = resolve_quantization(
             quantization, published_quantization(source.config, source.name), source.name
         )
-        _check_gguf(quant, source, device)
+        quant = _check_gguf(quant, source, device)
         net = build_model(config, device, torch_dtype, max_model_len, quant)
         init_dummy_weights(net, seed)
         name = f"dummy:{source.name}"
@@ -98,7 +98,7 @@ def load_model(
         raw, where = source.hf_config(), str(source.config_file)
         config = config_from_hf(raw, where)
         quant = resolve_quantization(quantization, published_quantization(raw, where), where)
-        _check_gguf(quant, source, device)
+        quant = _check_gguf(quant, source, device)
         net = build_model(config, device, torch_dtype, max_model_len, quant)
         load_checkpoint_weights(net, source)
         extra_eos, name = source.eos_token_ids(), str(source.path)
@@ -112,11 +112,13 @@ def load_model(
     )
 
 
-def _check_gguf(quant: QuantizationConfig, source: "Checkpoint | DummySource", device: torch.device) -> None:
+def _check_gguf(
+    quant: QuantizationConfig, source: "Checkpoint | DummySource", device: torch.device
+) -> QuantizationConfig:
     """``gguf`` keeps a GGUF file's blocks for the CPU kernel: refuse it elsewhere before building, and
-    ask the file to yield its projections packed."""
+    ask the file to yield its projections (and the LM head's blocks, where it has them) packed."""
     if quant.method != "gguf":
-        return
+        return quant
     from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
 
     if not isinstance(source, GGUFCheckpoint):
@@ -131,6 +133,7 @@ def _check_gguf(quant: QuantizationConfig, source: "Checkpoint | DummySource", d
             f"load with device='cpu', or use 'none' / 'int8' / 'fp8' on the GPU"
         )
     source.keep_packed = True
+    return replace(quant, packed_head=source.packs_lm_head())
 
 
 def load_model_for(config: "EngineConfig", device: torch.device) -> LoadedModel:

@@ -11,8 +11,10 @@ from torch import nn
 
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.layers.embedding import ParallelLMHead
 from tokenmill.models.layers.fusable import FusableLayer
 from tokenmill.models.layers.linear import ShardId, weight_loader_of
+from tokenmill.quantization import UNQUANTIZED
 
 
 class WeightLoadingError(ValueError):
@@ -31,7 +33,7 @@ class CausalLM(nn.Module, ABC):
     stacked_params: ClassVar[tuple[tuple[str, str, ShardId], ...]] = ()
     # Checkpoint tensors that carry nothing the model needs (regexes).
     ignored_weights: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$",)
-    lm_head: nn.Module
+    lm_head: ParallelLMHead
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -82,8 +84,15 @@ class CausalLM(nn.Module, ABC):
         """Load Hugging Face-named tensors, one at a time; every parameter must be filled exactly once."""
         params = dict(self.named_parameters())
         pending = {name: self._expected_shards(name) for name in params}
+        own_head = self.config.tie_word_embeddings and self.lm_head.quant_method is not UNQUANTIZED
+        if own_head:  # a tied head with weights of its own format (GGUF blocks): filled from the checkpoint
+            pending["lm_head.weight"] = {None}
         for raw_name, raw_tensor in weights:
             name, tensor = self.checkpoint_tensor(raw_name, raw_tensor)
+            if own_head and name == "lm_head.weight":
+                self.lm_head.weight_loader(self.lm_head.weight, tensor)
+                pending[name].clear()
+                continue
             if self._ignored(name):
                 continue
             target, shard_id = self._target_of(name)

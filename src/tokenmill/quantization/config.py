@@ -24,13 +24,16 @@ class QuantizationConfig:
     """``method``: the format; ``prequantized``: the checkpoint publishes quantized weights and scales;
     ``weight_block``: block-scaled fp8's block (None: per-channel scales); ``dynamic_activations``: the
     PyTorch paths round each input per token as a W8A8 GEMM would (an emulation, for measuring accuracy);
-    ``quantize_lm_head``: an LM head not tied to the embedding is quantized too."""
+    ``quantize_lm_head``: an LM head not tied to the embedding is quantized too; ``packed_head``
+    (``gguf``): the GGUF file gives the LM head blocks the kernel reads (its ``output`` tensor, or a tied
+    head's ``token_embd``: the embedding lookups keep a float copy)."""
 
     method: str = "none"
     prequantized: bool = False
     weight_block: tuple[int, int] | None = None
     dynamic_activations: bool = False
     quantize_lm_head: bool = True
+    packed_head: bool = False
 
     def linear_method(self) -> LinearMethod:
         if self.method == "int8":
@@ -44,10 +47,11 @@ class QuantizationConfig:
         return UNQUANTIZED
 
     def lm_head_method(self, tied: bool, linear: LinearMethod) -> LinearMethod:
-        """``linear`` for an untied head this config quantizes; a tied head reads the float embedding.
-        A GGUF head stays float for now: the checkpoint yields ``output.weight`` dequantized."""
-        quantized = self.quantize_lm_head and not tied and self.method != "gguf"
-        return linear if quantized else UNQUANTIZED
+        """``linear`` for an untied head this config quantizes; a tied head reads the float embedding,
+        except a GGUF head with blocks of its own (``packed_head``)."""
+        if self.method == "gguf":
+            return linear if self.packed_head else UNQUANTIZED
+        return linear if self.quantize_lm_head and not tied else UNQUANTIZED
 
 
 NO_QUANTIZATION = QuantizationConfig()
