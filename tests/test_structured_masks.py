@@ -210,7 +210,7 @@ def test_masks_filled_ahead_equal_masks_filled_in_the_step(backend: GrammarBacke
     backend's own fill of that matcher at its state when the step asks, and only rows that still hold are
     taken from the fill ahead."""
     staging = BitmaskStaging(backend, torch.device("cpu"))
-    specs = [StructuredOutputsParams(regex=r"[0-9]{2}-[a-z]{3}"), StructuredOutputsParams(choice=["yes", "no"])]
+    specs = [StructuredOutputsParams(regex=r"[0-9]{2}-[a-z]{3}"), StructuredOutputsParams(choice=["y", "n"])]
     grammars = [backend.compile(params.spec()) for params in specs]
     matchers = [grammars[i % 2].matcher() for i in range(5)]
     digits = [t for t in range(backend.vocab_size) if t in allowed(backend, matchers[0])][:3]

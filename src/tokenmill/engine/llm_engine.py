@@ -299,8 +299,9 @@ class LLMEngine:
             if stopped:
                 cut.add(seq)
         if advanced and self.config.structured_masks_ahead:
+            running = self.scheduler.running
             self.structured_outputs.fill_ahead(
-                [seq.grammar for seq in self.scheduler.running if seq.grammar is not None and not seq.is_finished]
+                [seq.grammar for seq in running if seq.grammar is not None and not seq.is_finished]
             )
         if self.config.debug_checks:
             self.scheduler.check_integrity()
