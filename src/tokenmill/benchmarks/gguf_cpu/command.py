@@ -6,14 +6,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from tokenmill.benchmarks.gguf_cpu.layers import PROJECTIONS, LayerTiming, time_projections
+from tokenmill.benchmarks.gguf_cpu.layers import LayerTiming, time_projections
 from tokenmill.benchmarks.gguf_cpu.peer import DecodeRun, LlamaCpp
-from tokenmill.benchmarks.gguf_cpu.swap import swap_in_packed
+from tokenmill.benchmarks.report import detect_hardware, markdown_table, provenance_header, write_json
 from tokenmill.loading.default_model import default_model_path
-from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.loading.gguf_file import GGUFFile
 from tokenmill.loading.packaged_models import packaged_model_path
 
@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     parser.add_argument("--no-engine", action="store_true", help="skip the decode runs (layer timings only)")
     parser.add_argument("--json", type=Path, default=None, help="write every figure to this file")
+    parser.add_argument("--report-dir", type=Path, default=None, help="write gguf-cpu.md / .json here")
 
 
 def _model_path(name: str | None) -> Path:
@@ -82,16 +83,6 @@ def _print_layers(timings: list[LayerTiming]) -> None:
               f"{t.float32_s * 1e6:>8.1f} {t.speedup:>7.2f} {per_weight:>8.3f}")  # fmt: skip
 
 
-def estimate_packed_step(run: DecodeRun, timings: list[LayerTiming], layers: int) -> float:
-    """Seconds per decode step with packed projections: the float32 step minus its projections' float32
-    time plus their packed time (the rest of the step, attention, norms, sampling, host, unchanged)."""
-    rows = [t for t in timings if t.rows == run.sequences]
-    if len(rows) != len(PROJECTIONS):
-        raise ValueError(f"no layer timings at {run.sequences} rows")
-    saved = sum((t.float32_s - t.packed_s) * (1 if t.name == "lm_head" else layers) for t in rows)
-    return run.decode_s / (run.new_tokens - 1) - saved
-
-
 def _first_divergence(ours: DecodeRun, reference: DecodeRun) -> int | None:
     """The first output position where some sequence's greedy token differs; None when all agree."""
     positions = [
@@ -102,34 +93,71 @@ def _first_divergence(ours: DecodeRun, reference: DecodeRun) -> int | None:
     return min(found) if found else None
 
 
-def _decode_runs(args: argparse.Namespace, path: Path, timings: list[LayerTiming], layers: int) -> list[dict]:
-    """Per batch size: tokenmill float32, the same engine with packed projections swapped in, the packed
-    estimate from the layer timings, and llama.cpp; greedy tokens compared with tokenmill float32."""
+def _engine(path: Path, quantization: str, args: argparse.Namespace) -> object:
     from tokenmill.llm import LLM
 
     max_len = args.prompt_len + args.new_tokens
-    llm = LLM(str(path), max_model_len=max_len + 16, max_num_seqs=max(args.sequences))
-    token_ids = llm.get_tokenizer().encode(TEXT)
+    return LLM(
+        str(path), max_model_len=max_len + 16, max_num_seqs=max(args.sequences), quantization=quantization
+    )
+
+
+def _weight_bytes(llm: object) -> int:
+    """Bytes of the weights a decode step reads once: packed projections and head, float parameters
+    (norms; the float32 embedding is read by row, not whole, so it is left out where the head is packed)."""
+    from tokenmill.llm import LLM
+    from tokenmill.quantization.gguf_method import packed_nbytes
+
+    assert isinstance(llm, LLM)
+    model = llm.engine.runner.model
+    packed = sum(packed_nbytes(module) for module in model.modules())
+    floats = sum(p.numel() * p.element_size() for p in model.parameters())
+    if packed_nbytes(model.lm_head):
+        floats -= model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    return packed + floats
+
+
+def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of the best of ``repeats`` copies of a ``megabytes`` float32 tensor (read + write
+    counted), at torch's thread count: the machine's practical memory bandwidth."""
+    source = torch.ones(megabytes * 2**20 // 4)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * 4 / best
+
+
+def _decode_runs(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
+    """Per batch size: tokenmill float32 (the dequantized weights), tokenmill ``quantization="gguf"`` and
+    llama.cpp on the same file; greedy tokens compared with tokenmill float32."""
+    engines: dict[str, Any] = {"float32": _engine(path, "none", args)}
+    tokenizer = engines["float32"].get_tokenizer()
+    token_ids = tokenizer.encode(TEXT)
     prompts = {count: _prompts(token_ids, count, args.prompt_len) for count in args.sequences}
 
     def best(runs: "Callable[[list[list[int]]], DecodeRun]", count: int) -> DecodeRun:
         return min((runs(prompts[count]) for _ in range(args.repeats)), key=lambda run: run.decode_s)
 
-    def tokenmill(batch: list[list[int]]) -> DecodeRun:
-        return _tokenmill_run(llm, batch, args.new_tokens)
-
-    float32 = {count: best(tokenmill, count) for count in args.sequences}
-    swap_in_packed(llm.engine.runner.model, GGUFCheckpoint(path))
-    packed = {count: best(tokenmill, count) for count in args.sequences}
+    float32 = {
+        c: best(lambda b: _tokenmill_run(engines["float32"], b, args.new_tokens), c) for c in args.sequences
+    }
+    del engines["float32"]
+    packed_llm = _engine(path, "gguf", args)
+    packed = {c: best(lambda b: _tokenmill_run(packed_llm, b, args.new_tokens), c) for c in args.sequences}
+    step_bytes = _weight_bytes(packed_llm)
+    peer = None if args.no_peer else LlamaCpp(path, max(args.sequences), args.prompt_len + args.new_tokens,
+                                              args.threads)  # fmt: skip
     lines: list[dict] = []
-    peer = None if args.no_peer else LlamaCpp(path, max(args.sequences), max_len, args.threads)
     for count in args.sequences:
-        line: dict[str, object] = {
+        line: dict[str, Any] = {
             "sequences": count,
             "tokenmill_float32": float32[count].decode_tokens_per_s,
-            "tokenmill_packed": packed[count].decode_tokens_per_s,
-            "tokenmill_packed_estimate": count / estimate_packed_step(float32[count], timings, layers),
-            "packed_first_divergence": _first_divergence(packed[count], float32[count]),
+            "tokenmill_gguf": packed[count].decode_tokens_per_s,
+            "gguf_first_divergence": _first_divergence(packed[count], float32[count]),
+            "gguf_weight_bytes_per_step": step_bytes,
         }
         if peer is not None:
             theirs = best(lambda batch: peer.generate(batch, args.new_tokens), count)
@@ -143,6 +171,49 @@ def _decode_runs(args: argparse.Namespace, path: Path, timings: list[LayerTiming
     return lines
 
 
+def _report(args: argparse.Namespace, path: Path, lines: list[dict[str, Any]], bandwidth: float) -> str:
+    """The decode table as markdown: each engine's tok/s, the ratio to llama.cpp, the first greedy
+    divergence from float32, and the packed engine's weight bytes per second as a share of the copy
+    bandwidth."""
+    rows = []
+    for line in lines:
+        peer, gguf = line.get("llama_cpp"), line["tokenmill_gguf"]
+        share = gguf / line["sequences"] * line["gguf_weight_bytes_per_step"] / bandwidth
+        rows.append([
+            str(line["sequences"]), f"{line['tokenmill_float32']:.1f}", f"{gguf:.1f}",
+            "-" if peer is None else f"{peer:.1f}", "-" if peer is None else f"{gguf / peer:.2f}x",
+            _divergence(line.get("gguf_first_divergence")),
+            _divergence(line.get("llama_cpp_first_divergence")), f"{share:.0%}",
+        ])  # fmt: skip
+    headers = [
+        "sequences",
+        "tokenmill float32",
+        "tokenmill gguf",
+        "llama.cpp",
+        "gguf / llama.cpp",
+        "gguf vs float32 greedy",
+        "llama.cpp vs float32 greedy",
+        "weight bytes / copy bandwidth",
+    ]
+    return "\n".join([
+        f"# tokenmill GGUF on the CPU vs llama.cpp ({path.name})", "",
+        f"- workload: {args.prompt_len}-token prompts (windows of one text), {args.new_tokens} new tokens, "
+        f"greedy, EOS ignored, decode tok/s after the first token (best of {args.repeats}); {args.threads} "
+        "threads for every engine",
+        "- peer: llama.cpp (llama-cpp-python) on the same file, in the same process",
+        f"- copy bandwidth (torch, {args.threads} threads, 512 MiB): {bandwidth / 1e9:.1f} GB/s", "",
+        markdown_table(headers, rows), "",
+        "- greedy: the first output position where a sequence's tokens differ from tokenmill float32's "
+        "(= where none do)",
+        "- weight bytes / copy bandwidth: the packed engine's weight bytes read per step times steps per "
+        "second, over the copy bandwidth",
+    ])  # fmt: skip
+
+
+def _divergence(position: object) -> str:
+    return "=" if position is None else f"differs at {position}"
+
+
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     path = _model_path(args.model)
@@ -154,7 +225,16 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, object] = {"model": str(path), "threads": args.threads}
     report["layers"] = [asdict(t) for t in timings]
     if not args.no_engine:
-        report["decode"] = _decode_runs(args, path, timings, layers)
+        bandwidth = copy_bandwidth()
+        report["copy_bandwidth"] = bandwidth
+        report["decode"] = lines = _decode_runs(args, path)
+        if args.report_dir is not None:
+            hardware = detect_hardware(torch.device("cpu"))
+            args.report_dir.mkdir(parents=True, exist_ok=True)
+            text = provenance_header(hardware) + "\n" + _report(args, path, lines, bandwidth) + "\n"
+            (args.report_dir / "gguf-cpu.md").write_text(text)
+            write_json(args.report_dir / "gguf-cpu.json", report)
+            print(f"wrote gguf-cpu.md, gguf-cpu.json to {args.report_dir}")
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
