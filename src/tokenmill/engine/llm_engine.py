@@ -32,7 +32,7 @@ from tokenmill.engine.warm_start import WarmStartReport, warm_up_waves
 from tokenmill.loading import LoadedModel
 from tokenmill.loading.loader import load_model_for
 from tokenmill.outputs import RequestDelta, RowLogprobs
-from tokenmill.parallel.engine_setup import eager_for_tensor_parallel, start_workers
+from tokenmill.parallel.engine_setup import start_workers
 from tokenmill.runner.kv_cache import KVCache
 from tokenmill.runner.model_runner import PendingStep
 from tokenmill.sampling_params import SamplingParams
@@ -79,8 +79,6 @@ class LLMEngine:
         self.config = resolve_config(config, Platform.detect(self.device), self.max_model_len)
         if self.config.host_threads is not None:
             torch.set_num_threads(self.config.host_threads)
-        if self.workers is not None:
-            self.config = eager_for_tensor_parallel(self.config, self.device)
         self._check_token_budget()
         self.eos_token_ids = self._eos_token_ids()
         self.structured_outputs = StructuredOutputs(

@@ -1,4 +1,5 @@
-"""What the engine changes when it runs tensor-parallel: workers to start, a per-rank KV pool, eager steps."""
+"""What the engine changes when it runs tensor-parallel: workers to start and a per-rank KV pool. Steps run
+as they do on one rank, CUDA graphs and overlapped decoding included (each worker follows rank 0's steps)."""
 
 import torch
 
@@ -6,7 +7,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.parallel.launcher import WorkerGroup
 from tokenmill.parallel.worker import per_rank_model_config
 
-__all__ = ["eager_for_tensor_parallel", "per_rank_model_config", "start_workers"]
+__all__ = ["per_rank_model_config", "start_workers"]
 
 
 def start_workers(config: EngineConfig, device: torch.device, preloaded: bool) -> WorkerGroup | None:
@@ -24,10 +25,3 @@ def start_workers(config: EngineConfig, device: torch.device, preloaded: bool) -
             "runs a forward pass on rank 0 alone)"
         )
     return WorkerGroup(config, device)
-
-
-def eager_for_tensor_parallel(config: EngineConfig, device: torch.device) -> EngineConfig:
-    """Steps run eagerly under tensor parallelism for now: no CUDA graphs, so nothing overlaps."""
-    if device.type != "cuda":
-        return config
-    return config.with_options(cuda_graphs=False, cuda_graph_prefill=False, overlap_decode=False)

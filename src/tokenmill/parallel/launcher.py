@@ -64,7 +64,7 @@ class WorkerGroup:
             process.start()
             self.processes[rank] = process
         self._stop = weakref.finalize(self, _stop_processes, list(self.processes.values()))
-        self.sender = StepSender()
+        self.sender = StepSender(device)
         with self.guard("start-up"):
             self._wait_for_workers(store, timeout_s)
             timeout = timedelta(seconds=timeout_s)

@@ -3,17 +3,21 @@ then runs every forward pass and logits computation rank 0 announces, until told
 
 The worker decides nothing: rank 0's scheduler picks the tokens, KV slots and block tables, and the
 worker runs the same model code over them on its shard (the model's all-reduces and all-gathers pair
-its collectives with rank 0's).
+its collectives with rank 0's). Where rank 0 runs steps through graph runners, the worker builds its own
+from the same plan, captures with it (on a GPU), and replays the graph of each step's size, its overlapped
+steps included: whether rank 0 then uses or drops such a step is rank 0's business alone.
 """
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from tokenmill.attention import AttentionBackend, ForwardContext, KVCacheLayer, forward_context
+from tokenmill.attention import AttentionBackend, ForwardContext, forward_context
 from tokenmill.attention.selector import create_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.distributed import destroy_tensor_parallel, init_tensor_parallel, kv_head_shard
@@ -22,11 +26,14 @@ from tokenmill.loading.loader import load_model_for
 from tokenmill.models import CausalLM, ModelConfig
 from tokenmill.parallel.step_broadcast import (
     Command,
+    receive_graph_plan,
     receive_header,
     receive_hidden,
     receive_step_arrays,
+    receive_token_ids,
 )
-from tokenmill.runner.kv_cache import create_kv_cache
+from tokenmill.runner.graph_runners import GraphRunners, build_graph_runners
+from tokenmill.runner.kv_cache import KVCache, create_kv_cache
 from tokenmill.runner.step_inputs import attention_metadata, to_device_async
 
 logger = logging.getLogger(__name__)
@@ -76,15 +83,29 @@ def run_worker(spec: WorkerSpec) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
-        model, backend, layers = _build_shard(spec.config, device)
-        serve_steps(model, backend, layers, device)
+        serve_steps(_build_shard(spec.config, device))
     finally:
         destroy_tensor_parallel()
 
 
-def _build_shard(
-    config: EngineConfig, device: torch.device
-) -> tuple[CausalLM, AttentionBackend, list[KVCacheLayer] | None]:
+@dataclasses.dataclass
+class Shard:
+    """One worker's part of the engine: its shard of the model, its KV pool, and the graph runners rank 0's
+    plan asks for (none until it sends one)."""
+
+    model: CausalLM
+    backend: AttentionBackend
+    kv: KVCache
+    max_model_len: int
+    device: torch.device
+    graphs: GraphRunners = dataclasses.field(default_factory=GraphRunners)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def _build_shard(config: EngineConfig, device: torch.device) -> Shard:
     """This rank's shard of the model and its KV pool, of the size rank 0 announces."""
     loaded = load_model_for(config, device)
     command, num_blocks, max_model_len = receive_header()[:3]
@@ -99,27 +120,67 @@ def _build_shard(
     dtype = next(model.parameters()).dtype
     kv_config = per_rank_model_config(loaded.config, dist.get_world_size())
     kv = create_kv_cache(resolved, kv_config, max_model_len, device, dtype)
-    return model, backend, kv.layers
+    return Shard(model, backend, kv, max_model_len, device)
 
 
 @torch.inference_mode()
-def serve_steps(
-    model: CausalLM, backend: AttentionBackend, layers: list[KVCacheLayer] | None, device: torch.device
-) -> None:
-    dtype = next(model.parameters()).dtype
+def serve_steps(shard: Shard) -> None:
+    """Run what rank 0 announces, in its order, until it says to stop."""
     while True:
         header = receive_header()
         command = header[0]
         if command == Command.SHUTDOWN:
             return
-        if command == Command.FORWARD:
-            arrays = {
-                name: to_device_async(array, device) for name, array in receive_step_arrays(header).items()
-            }
-            metadata = attention_metadata(arrays, header[1], header[2])
-            with forward_context(ForwardContext(metadata, backend, layers)):
-                model(arrays["input_ids"], arrays["positions"])
-        elif command == Command.LOGITS:
-            model.compute_logits(receive_hidden(header, dtype, device))
-        else:
+        handler = _HANDLERS.get(command)
+        if handler is None:
             raise RuntimeError(f"unknown command {command} from rank 0")
+        handler(shard, header)
+
+
+def _forward(shard: Shard, header: list[int]) -> None:
+    received = receive_step_arrays(header)
+    arrays = {name: to_device_async(array, shard.device) for name, array in received.items()}
+    metadata = attention_metadata(arrays, header[1], header[2])
+    with forward_context(ForwardContext(metadata, shard.backend, shard.kv.layers)):
+        shard.model(arrays["input_ids"], arrays["positions"])
+
+
+def _logits(shard: Shard, header: list[int]) -> None:
+    shard.model.compute_logits(receive_hidden(header, shard.dtype, shard.device))
+
+
+def _set_up_graphs(shard: Shard, header: list[int]) -> None:
+    plan = receive_graph_plan(header, shard.device)
+    shard.graphs = build_graph_runners(plan, shard.model, shard.backend, shard.kv, shard.max_model_len)
+
+
+def _decode_step(shard: Shard, header: list[int]) -> None:
+    assert shard.graphs.decode is not None, "a decode graph step before rank 0's graph plan"
+    shard.graphs.decode.run_arrays(_host_arrays(header), header[1])
+
+
+def _start_next_step(shard: Shard, header: list[int]) -> None:
+    """The overlapped step rank 0 started: its arrays, then the token ids it sampled, on the device."""
+    assert shard.graphs.decode is not None, "a started step before rank 0's graph plan"
+    arrays = _host_arrays(header)
+    token_ids = receive_token_ids(header, shard.device)
+    shard.graphs.decode.run_arrays(arrays, header[1], token_ids)
+
+
+def _prefill_step(shard: Shard, header: list[int]) -> None:
+    assert shard.graphs.prefill is not None, "a prefill graph step before rank 0's graph plan"
+    shard.graphs.prefill.run_arrays(_host_arrays(header), header[1])
+
+
+def _host_arrays(header: list[int]) -> dict[str, np.ndarray]:
+    return {name: array.numpy() for name, array in receive_step_arrays(header).items()}
+
+
+_HANDLERS: dict[int, Callable[[Shard, list[int]], None]] = {
+    Command.FORWARD: _forward,
+    Command.LOGITS: _logits,
+    Command.GRAPHS: _set_up_graphs,
+    Command.DECODE_GRAPH: _decode_step,
+    Command.START_NEXT: _start_next_step,
+    Command.PREFILL_GRAPH: _prefill_step,
+}

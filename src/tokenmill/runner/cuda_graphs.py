@@ -1,16 +1,18 @@
 """CUDA graphs for decode steps: one forward pass per captured batch size, replayed with one launch.
 
 A decode step (every scheduled chunk is one new token that gets sampled) of ``B`` sequences runs the
-graph of the smallest captured size ``P >= B``. Its inputs live in static buffers (:class:`DecodeInputs`)
-that are refilled before each replay in one non-blocking copy; rows ``B..P`` are padding: token 0 at
-position 0, slot -1 (their K/V is written nowhere) and a context of one token in block 0 (whatever it
-holds is finite: the pool starts zeroed; their outputs are dropped). Every graph shares one memory
-pool; they are captured largest first, so the smaller ones reuse the largest one's activation memory.
-The static buffers are filled from the same step arrays as eager steps
-(:func:`~tokenmill.runner.step_inputs.build_step_arrays`).
-Prefill and mixed steps, and decode batches above the largest size, run eagerly. With ``overlap`` the
-next decode step's replay is enqueued before this step's tokens are read (:class:`DecodeGraphRunner`),
-once the scheduler has reserved its KV slots (``Scheduler.reserve_next_step``).
+graph of the smallest captured size ``P >= B``. Its inputs live in static buffers
+(:class:`~tokenmill.runner.decode_inputs.DecodeInputs`) that are refilled before each replay in one
+non-blocking copy; rows ``B..P`` are padding: token 0 at position 0, slot -1 (their K/V is written nowhere)
+and a context of one token in block 0 (whatever it holds is finite: the pool starts zeroed; their
+outputs are dropped). Every graph shares one memory pool; they are captured largest first, so the
+smaller ones reuse the largest one's activation memory. The static buffers are filled from the same step
+arrays as eager steps (:func:`~tokenmill.runner.step_inputs.build_step_arrays`). Prefill and mixed
+steps, and decode batches above the largest size, run eagerly. With ``overlap`` the next decode step's
+replay is enqueued before this step's tokens are read (:class:`DecodeGraphRunner`), once the scheduler
+has reserved its KV slots (``Scheduler.reserve_next_step``). Under tensor parallelism every rank
+captures the same graphs in the same order, with the model's collectives inside them
+(:mod:`tokenmill.runner.graph_runners`), and replays the same one each step (``mirror``).
 
 A captured graph replays exactly the kernels and launch parameters it was captured with, so the
 attention metadata must not steer them by per-step host values: graphs are captured with
@@ -31,32 +33,29 @@ graphs (its inputs change from step to step).
 import bisect
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from tokenmill.attention import (
     AttentionBackend,
-    AttentionMetadata,
     ForwardContext,
     KVCacheLayer,
     forward_context,
 )
 from tokenmill.cache.kv_cache_manager import KVCacheManager
 from tokenmill.config import EngineConfig
+from tokenmill.distributed import tp_world_size
 from tokenmill.models import CausalLM
-from tokenmill.runner.step_inputs import PackedLayout, attention_metadata, build_step_arrays, host_buffer
+from tokenmill.runner.decode_inputs import DecodeInputs
 from tokenmill.scheduler.output import ScheduledChunk
 
 logger = logging.getLogger(__name__)
 SIZE_STEP = 8  # captured sizes: 1, 2, 4, then every multiple of this
 GRAPH_LOGITS_MAX_ROWS = 16  # with logits_in_graph: 16 x a 128k vocabulary x 4 bytes = 8 MiB per graph
-_STATIC_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables")
-# The static buffers: the step's inputs, and the rows of the sampled tokens an overlapped step takes
-# (block tables last: a step of P rows copies a prefix).
-_LAYOUT_FIELDS = (*_STATIC_FIELDS[:-1], "token_rows", "block_tables")
 
 
 def cuda_graph_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -118,75 +117,18 @@ class DecodeOutputs(NamedTuple):
     logits: DecodeLogits | None
 
 
-class HostStaging:
-    """A pinned host copy of the static buffers' layout, written with numpy and copied in one transfer.
-    The event marks when its last copy has run, so it is not overwritten before."""
+class DecodeMirror(Protocol):
+    """Tensor-parallel workers, told of each decode step rank 0 runs over its static buffers (their arrays,
+    as :meth:`DecodeInputs.step_arrays` builds them) so that they run the same graph over theirs, and of
+    each logits computation after a replay."""
 
-    def __init__(self, layout: PackedLayout, device: torch.device) -> None:
-        self.tensor = host_buffer(layout.nbytes, device).zero_()
-        self.views = layout.numpy_views(self.tensor.numpy())
-        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+    def decode_step(self, arrays: Mapping[str, np.ndarray], num_rows: int) -> None: ...
 
+    def start_next_step(
+        self, arrays: Mapping[str, np.ndarray], num_rows: int, token_ids: torch.Tensor
+    ) -> None: ...
 
-class DecodeInputs:
-    """Static device buffers for decode steps of up to ``capacity`` sequences, in one allocation laid out
-    so that a step of ``P`` rows is refreshed by copying one prefix of it (block tables last). Two pinned
-    staging buffers take turns, so one can be filled while the other's copy is pending."""
-
-    def __init__(self, capacity: int, table_width: int, device: torch.device) -> None:
-        self.capacity = capacity
-        self.table_width = table_width
-        sizes = {"query_start_loc": capacity + 1, "block_tables": capacity * table_width}
-        dtypes = {"seq_lens": torch.int32, "query_start_loc": torch.int32, "block_tables": torch.int32}
-        self.layout = PackedLayout(
-            [(name, dtypes.get(name, torch.int64), sizes.get(name, capacity)) for name in _LAYOUT_FIELDS]
-        )
-        self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
-        self.views = self.layout.views(self.buffer)
-        self.views["block_tables"] = self.views["block_tables"].view(capacity, table_width)
-        self._staging = [HostStaging(self.layout, device) for _ in range(2)]
-        self._turn = 0
-
-    def view(self, num_rows: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Input ids, positions and attention metadata of the first ``num_rows`` rows; ``max_seq_len`` is
-        a bound, not the step's value."""
-        rows = {name: view[: num_rows + (name == "query_start_loc")] for name, view in self.views.items()}
-        metadata = attention_metadata(rows, max_query_len=1, max_seq_len=max_seq_len)
-        return rows["input_ids"], rows["positions"], metadata
-
-    def write(
-        self,
-        chunks: Sequence[ScheduledChunk],
-        kv: KVCacheManager,
-        num_rows: int,
-        token_ids: torch.Tensor | None = None,
-        token_rows: Sequence[int] | None = None,
-    ) -> None:
-        """Fill the rows of ``chunks`` and pad the rest up to ``num_rows`` (a graph of ``num_rows`` reads no
-        others). The input ids are the sequences' tokens, or ``token_ids`` when given: device tensors,
-        copied on the device (the tokens a step just sampled, not yet on the host), those at
-        ``token_rows`` when given (the indexes travel with the other inputs, so nothing waits)."""
-        if not len(chunks) <= num_rows <= self.capacity:
-            raise ValueError(f"{len(chunks)} sequences do not fit {num_rows} rows of {self.capacity}")
-        arrays = build_step_arrays(chunks, kv, num_rows, self.table_width, with_token_ids=token_ids is None)
-        staging = self._staging[self._turn]
-        self._turn ^= 1
-        if staging.copied is not None:
-            staging.copied.synchronize()  # its previous copy has long run: this returns at once
-        for name in _STATIC_FIELDS:
-            if name in arrays:
-                values = arrays[name].reshape(-1)
-                staging.views[name][: values.size] = values
-        if token_rows is not None:
-            staging.views["token_rows"][: len(token_rows)] = token_rows
-        nbytes = self.layout.prefix_bytes("block_tables", num_rows * self.table_width)
-        self.buffer[:nbytes].copy_(staging.tensor[:nbytes], non_blocking=True)
-        if staging.copied is not None:
-            staging.copied.record()
-        if token_ids is not None:
-            if token_rows is not None:
-                token_ids = token_ids.index_select(0, self.views["token_rows"][: len(token_rows)])
-            self.views["input_ids"][: len(chunks)].copy_(token_ids, non_blocking=True)
+    def logits(self, hidden: torch.Tensor) -> None: ...
 
 
 class DecodeGraphRunner:
@@ -200,6 +142,12 @@ class DecodeGraphRunner:
     work is dropped and the step runs from scratch. The dropped work is harmless: it wrote K/V only to
     slots the scheduler had reserved for its sequences, past what they have computed, so nothing reads
     them before a later step writes them again.
+
+    Under tensor parallelism (``mirror``: rank 0's workers) each step's arrays are announced before its
+    replay, and a started step's are followed by the sampled token ids, so that every worker writes the
+    same inputs into its own runner's buffers (:meth:`run_arrays`) and replays its graph of the same size:
+    the graphs' collectives pair. A worker never decides: a started step that rank 0 drops was run by
+    the workers too, and its K/V (their heads of the same reserved slots) is as harmless as rank 0's.
     """
 
     def __init__(
@@ -211,7 +159,8 @@ class DecodeGraphRunner:
         sizes: Sequence[int],
         max_model_len: int,
         logits_in_graph: bool = False,
-        argmax: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits.argmax(dim=-1),
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        mirror: DecodeMirror | None = None,
     ) -> None:
         if not sizes:
             raise ValueError("no batch sizes to capture")
@@ -223,7 +172,8 @@ class DecodeGraphRunner:
         self.max_model_len = max_model_len
         self.device = kv_layers[0].key.device
         self.logits_in_graph = logits_in_graph
-        self.argmax = argmax  # of the logits, over the vocabulary (captured with them)
+        self.argmax = argmax or _argmax  # of the logits, over the vocabulary (captured with them)
+        self.mirror = mirror
         self.inputs = DecodeInputs(self.sizes[-1], -(-max_model_len // kv.block_size), self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, DecodeOutputs] = {}
@@ -242,8 +192,18 @@ class DecodeGraphRunner:
         if started is not None and _same_rows(started[0], chunks):
             self.num_reused += 1
             return self._logits(started[1], len(chunks))
-        self.inputs.write(chunks, self.kv, num_rows)
-        return self._logits(self._forward(num_rows), len(chunks))
+        arrays = self.inputs.step_arrays(chunks, self.kv, num_rows, full_width=self.mirror is None)
+        if self.mirror is not None:
+            self.mirror.decode_step(arrays, num_rows)
+        return self._logits(self.run_arrays(arrays, num_rows), len(chunks))
+
+    def run_arrays(
+        self, arrays: Mapping[str, np.ndarray], num_rows: int, token_ids: torch.Tensor | None = None
+    ) -> DecodeOutputs:
+        """The forward pass of a step of ``num_rows`` rows given by its arrays (and ``token_ids``, see
+        :meth:`DecodeInputs.write_arrays`): rank 0's steps, and those a tensor-parallel worker receives."""
+        self.inputs.write_arrays(arrays, num_rows, token_ids)
+        return self._forward(num_rows)
 
     def computes_logits(self, num_rows: int) -> bool:
         """Whether the step of ``num_rows`` rows (a captured size) computes its logits itself."""
@@ -253,7 +213,10 @@ class DecodeGraphRunner:
         """The first ``count`` rows of a step's outputs as logits (computing them if the graph did not)."""
         if outputs.logits is None:
             assert outputs.hidden is not None
-            return DecodeLogits(self.model.compute_logits(outputs.hidden[:count]), None)
+            hidden = outputs.hidden[:count]
+            if self.mirror is not None:
+                self.mirror.logits(hidden)
+            return DecodeLogits(self.model.compute_logits(hidden), None)
         logits, argmax = outputs.logits
         return DecodeLogits(logits[:count], None if argmax is None else argmax[:count])
 
@@ -270,8 +233,11 @@ class DecodeGraphRunner:
         following = [ScheduledChunk(chunk.seq, chunk.start + 1, chunk.end + 1) for chunk in kept]
         num_rows = padded_batch_size(len(following), self.sizes)
         assert num_rows is not None
-        self.inputs.write(following, self.kv, num_rows, token_ids=sampled, token_rows=rows)
-        self._started = (following, self._forward(num_rows))
+        full_width = self.mirror is None
+        arrays = self.inputs.step_arrays(following, self.kv, num_rows, False, rows, full_width)
+        if self.mirror is not None:
+            self.mirror.start_next_step(arrays, num_rows, sampled)
+        self._started = (following, self.run_arrays(arrays, num_rows, sampled))
         self.num_started += 1
 
     def _forward(self, num_rows: int) -> DecodeOutputs:
@@ -320,13 +286,16 @@ def capture_graphs(
     reserved_before = torch.cuda.memory_reserved(device)
     start = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
+    # With collectives in the graphs, the NCCL watchdog thread polls the events of the eager warm-up's
+    # collectives while this thread captures: only this thread's calls must be capture-safe.
+    mode = "thread_local" if tp_world_size() > 1 else "global"
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, Output] = {}
     for size in sorted(sizes, reverse=True):
         prepare(size)
         forward(size)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
             outputs[size] = forward(size)
         graphs[size] = graph
     torch.cuda.synchronize(device)
@@ -334,6 +303,10 @@ def capture_graphs(
     torch.cuda.empty_cache()
     pool_bytes = torch.cuda.memory_reserved(device) - reserved_before
     return graphs, outputs, CaptureReport(tuple(sorted(sizes)), seconds, pool_bytes, what)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 def _same_rows(started: Sequence[ScheduledChunk], chunks: Sequence[ScheduledChunk]) -> bool:

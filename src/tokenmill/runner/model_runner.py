@@ -8,7 +8,6 @@ processes this one. Decode steps run through CUDA graphs when they are captured
 (:mod:`tokenmill.runner.cuda_graphs`).
 """
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -19,6 +18,7 @@ from tokenmill.attention import AttentionBackend, ForwardContext, forward_contex
 from tokenmill.models import CausalLM
 from tokenmill.outputs import RowLogprobs
 from tokenmill.runner.cuda_graphs import CaptureReport, DecodeGraphRunner
+from tokenmill.runner.graph_runners import GraphMirror, GraphPlan, build_graph_runners
 from tokenmill.runner.kv_cache import KVCache
 from tokenmill.runner.prefill_graphs import PrefillGraphRunner
 from tokenmill.runner.sampler import (
@@ -34,15 +34,14 @@ from tokenmill.sequence import Sequence as Seq
 from tokenmill.speculative.verification import verify_step
 from tokenmill.structured.manager import StructuredOutputs
 
-logger = logging.getLogger(__name__)
 
-
-class StepMirror(Protocol):
-    """Tensor-parallel workers, told of each eager forward pass and logits computation of rank 0."""
+class StepMirror(GraphMirror, Protocol):
+    """Tensor-parallel workers, told of rank 0's graph plan, and of each forward pass (eager or through a
+    graph runner) and logits computation."""
 
     def forward(self, arrays: Mapping[str, np.ndarray], max_query_len: int, max_seq_len: int) -> None: ...
 
-    def logits(self, hidden: torch.Tensor) -> None: ...
+    def set_up_graphs(self, plan: GraphPlan) -> None: ...
 
 
 class PendingStep:
@@ -97,45 +96,37 @@ class ModelRunner:
         the token masks of sequences with a grammar (needed once one is added); ``prefill_graph_sizes``:
         the token buckets of one-sequence prefill graphs (none: prefill eagerly); ``mirror``: tensor-parallel
         workers told of every forward pass and logits computation, to run theirs on their shards."""
-        if mirror is not None and (graph_sizes or prefill_graph_sizes):
-            raise ValueError(
-                "tensor-parallel steps run eagerly: CUDA graphs are not captured across ranks yet"
-            )
         self.mirror = mirror
         self.model = model
         self.backend = backend
         self.sampler = sampler
         self.kv = kv
+        self.max_model_len = max_model_len
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
         self.overlap = overlap
         self.structured = structured
         self.decode_graphs: DecodeGraphRunner | None = None
         self.graph_capture: CaptureReport | None = None
-        if graph_sizes:
-            if kv.layers is None:
-                raise ValueError("decode graphs need a KV cache")
-            self.decode_graphs = DecodeGraphRunner(
-                model,
-                backend,
-                kv.layers,
-                kv.manager,
-                graph_sizes,
-                max_model_len,
-                logits_in_graph,
-                sampler.argmax,
-            )
-            self.graph_capture = self.decode_graphs.capture()
-            logger.info(self.graph_capture.describe())
         self.prefill_graphs: PrefillGraphRunner | None = None
         self.prefill_capture: CaptureReport | None = None
-        if prefill_graph_sizes and kv.layers is not None:
-            self.prefill_graphs = PrefillGraphRunner(
-                model, backend, kv.layers, kv.manager, prefill_graph_sizes, max_model_len
-            )
-            if self.device.type == "cuda":
-                self.prefill_capture = self.prefill_graphs.capture()
-                logger.info(self.prefill_capture.describe())
+        prefill = tuple(prefill_graph_sizes) if kv.layers is not None else ()
+        self.set_up_graphs(GraphPlan(tuple(graph_sizes), prefill, logits_in_graph))
+
+    def set_up_graphs(self, plan: GraphPlan) -> None:
+        """Run decode and one-sequence prefill steps through static buffers at the plan's sizes, captured as
+        CUDA graphs on a GPU; tensor-parallel workers build theirs from the same plan and capture in
+        lockstep (their collectives pair inside the graphs). Without a GPU nothing is captured and the
+        static buffers run eagerly: how tests on CPU take these paths, under tensor parallelism too."""
+        if not (plan.decode_sizes or plan.prefill_sizes):
+            return
+        if self.mirror is not None:
+            self.mirror.set_up_graphs(plan)
+        runners = build_graph_runners(
+            plan, self.model, self.backend, self.kv, self.max_model_len, self.sampler.argmax, self.mirror
+        )
+        self.decode_graphs, self.graph_capture = runners.decode, runners.decode_capture
+        self.prefill_graphs, self.prefill_capture = runners.prefill, runners.prefill_capture
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> PendingStep:

@@ -9,10 +9,15 @@ slot -1 so their K/V is written nowhere, a block table of zeros: they attend to 
 are finite, and their outputs are dropped). The paged prefill kernel's launch depends only on the token
 and sequence counts, which a bucket fixes, so one capture serves every prompt length below it and any
 cached prefix. The LM head runs after the replay, on the last real row only.
+
+Under tensor parallelism rank 0 announces each such step's arrays (``mirror``) and every worker writes
+them into its own runner's buffers and replays its graph of the same bucket
+(:meth:`PrefillGraphRunner.run_arrays`).
 """
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,7 +26,8 @@ from tokenmill.attention import AttentionBackend, ForwardContext, KVCacheLayer, 
 from tokenmill.cache.kv_cache_manager import KVCacheManager
 from tokenmill.config import EngineConfig
 from tokenmill.models import CausalLM
-from tokenmill.runner.cuda_graphs import CaptureReport, HostStaging, capture_graphs, padded_batch_size
+from tokenmill.runner.cuda_graphs import CaptureReport, capture_graphs, padded_batch_size
+from tokenmill.runner.decode_inputs import HostStaging
 from tokenmill.runner.step_inputs import PADDING_SLOT, PackedLayout, attention_metadata, build_step_arrays
 from tokenmill.scheduler.output import ScheduledChunk
 
@@ -29,6 +35,12 @@ logger = logging.getLogger(__name__)
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
 _NUM_SEQS = 2  # the real sequence and the padding one
 _FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables")
+
+
+class PrefillMirror(Protocol):
+    """Tensor-parallel workers, told of each prefill step rank 0 runs through its static buffers."""
+
+    def prefill_step(self, arrays: Mapping[str, np.ndarray], num_tokens: int) -> None: ...
 
 
 def prefill_graph_sizes(config: EngineConfig, device: torch.device, max_model_len: int) -> tuple[int, ...]:
@@ -55,10 +67,12 @@ class PrefillGraphRunner:
         kv: KVCacheManager,
         sizes: Sequence[int],
         max_model_len: int,
+        mirror: PrefillMirror | None = None,
     ) -> None:
         if not sizes:
             raise ValueError("no prefill sizes to capture")
         self.model, self.backend, self.kv_layers, self.kv = model, backend, kv_layers, kv
+        self.mirror = mirror
         self.sizes = tuple(sorted(sizes))
         self.max_model_len = max_model_len
         self.device = kv_layers[0].key.device
@@ -89,19 +103,25 @@ class PrefillGraphRunner:
         """The hidden states of the chunk's ``L`` tokens, ``[L, hidden]`` (valid until the next run)."""
         num_tokens = padded_batch_size(chunk.num_tokens + 1, self.sizes)
         assert num_tokens is not None
-        self._write(chunk, num_tokens)
+        arrays = build_step_arrays([chunk], self.kv, table_width=self.table_width)
+        if self.mirror is not None:
+            self.mirror.prefill_step(arrays, num_tokens)
+        return self.run_arrays(arrays, num_tokens)[: chunk.num_tokens]
+
+    def run_arrays(self, arrays: Mapping[str, np.ndarray], num_tokens: int) -> torch.Tensor:
+        """The hidden states of the ``num_tokens`` bucket's rows over one chunk's arrays (rank 0's, or what a
+        tensor-parallel worker receives)."""
+        self._write(arrays, num_tokens)
         graph = self.graphs.get(num_tokens)
         if graph is None:
-            hidden = self.forward_static_buffers(num_tokens)
-        else:
-            graph.replay()
-            hidden = self.outputs[num_tokens]
-        return hidden[: chunk.num_tokens]
+            return self.forward_static_buffers(num_tokens)
+        graph.replay()
+        return self.outputs[num_tokens]
 
-    def _write(self, chunk: ScheduledChunk, num_tokens: int) -> None:
+    def _write(self, arrays: Mapping[str, np.ndarray], num_tokens: int) -> None:
         """The chunk's rows, then the padding sequence's, into a pinned staging copy sent in one transfer."""
-        arrays = build_step_arrays([chunk], self.kv, table_width=self.table_width)
-        real, pad = chunk.num_tokens, num_tokens - chunk.num_tokens
+        real = len(arrays["positions"])
+        pad = num_tokens - real
         staging = self._staging[self._turn]
         self._turn ^= 1
         if staging.copied is not None:
