@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 # The quick subset is ``pytest -m "not slow"``. Marked slow: every test that loads a real pretrained model
 # (through the fixtures below), and these, each of which took more than 2 s on 2 cores (--durations).
-REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_gguf_path", "gemma3_gguf_path"})
+REAL_MODEL_FIXTURES = frozenset({"smollm2", "gemma3", "smollm2_gguf_path", "gemma3_gguf_path"})
 SLOW_TESTS = frozenset(
     {
         "test_cli.py::test_a_tokenizer_larger_than_the_vocabulary_is_refused",
@@ -67,6 +67,15 @@ def smollm2():  # type: ignore[no-untyped-def]
     from tokenmill.loading import load_model
 
     return load_model(None, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def gemma3(gemma3_gguf_path: Path):  # type: ignore[no-untyped-def]
+    """Gemma 3 270M, loaded once (float32, CPU) and shared by the tests that only run it: most of a load is
+    transformers parsing the 262,144-token vocabulary out of the GGUF for the tokenizer."""
+    from tokenmill.loading import load_model
+
+    return load_model(gemma3_gguf_path, dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The GGUF loader, checked three ways:
 
 - the two real GGUF models (SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M) against Hugging Face transformers
-  loading the same files: config, last-position logits, and greedy tokens;
+  loading the same files: config, last-position logits, and greedy tokens (transformers' outputs kept
+  on disk by ``hf_reference``, recomputed whenever the file, the prompts or a library version change);
 - tiny random models of every architecture written as GGUF the way llama.cpp writes them, which must
   load into exactly the model the safetensors path builds;
 - malformed files, which must fail with a ``ModelLoadError`` naming the file and the problem.
@@ -17,9 +18,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from engine_helpers import in_thread
 from gguf_fixtures import GGUF_ARCH, save_hf_model, tiny_gguf_config, write_gguf
+from hf_reference import HFReference, hf_reference
 from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 from tokenmill.loading import load_model
 from tokenmill.loading.default_model import default_model_path
@@ -27,7 +29,7 @@ from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.loading.gguf_file import GGUFFile
 from tokenmill.loading.loader import LoadedModel
 from tokenmill.models import ModelConfig
-from tokenmill.reference import greedy_generate
+from tokenmill.reference import GreedyOutput, greedy_generate
 from tokenmill.tokenizer import Tokenizer
 
 # Both sides run float32 on identical dequantized weights; only the summation order of matmuls and
@@ -82,17 +84,6 @@ GEMMA3_TEXTS = {
 
 
 @dataclass
-class ModelPair:
-    ours: LoadedModel
-    reference: PreTrainedModel
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        assert self.ours.tokenizer is not None
-        return self.ours.tokenizer
-
-
-@dataclass
 class Comparison:
     ours_logits: torch.Tensor  # last prompt position
     ours_tokens: list[int]
@@ -104,49 +95,23 @@ class Comparison:
         return float((self.ours_logits - self.reference_logits).abs().max())
 
 
-def load_reference(path: Path) -> PreTrainedModel:
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return reference.eval()
+def compare_with_transformers(
+    ours: LoadedModel, reference: HFReference, prompts: dict[str, list[int]]
+) -> dict[str, Comparison]:
+    """Our reference loop on each prompt (one sequence, greedy, stopping at our EOS ids as transformers was
+    told to), beside transformers' outputs on the same GGUF file."""
 
+    def generate() -> dict[str, GreedyOutput]:
+        return {
+            name: greedy_generate(ours.model, prompt, NEW_TOKENS, stop_token_ids=ours.eos_token_ids)
+            for name, prompt in prompts.items()
+        }
 
-@torch.inference_mode()
-def hf_greedy(pair: ModelPair, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """transformers' last-prompt-position logits and greedy continuation, stopping at our EOS ids as ours
-    does. One prompt at a time: a left-padded batch is no faster on CPU and adds padding to the numerics."""
-    ids = torch.tensor([prompt])
-    eos = list(pair.ours.eos_token_ids)
-    reference: Any = pair.reference  # transformers types generate() loosely
-    out = reference.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=eos[0],
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
-    return out.logits[0][0], out.sequences[0, len(prompt) :].tolist()
-
-
-def compare_with_transformers(pair: ModelPair, prompts: dict[str, list[int]]) -> dict[str, Comparison]:
     comparisons = {}
-    for name, prompt in prompts.items():
-        ref_logits, ref_tokens = hf_greedy(pair, prompt)
-        ours = greedy_generate(pair.ours.model, prompt, NEW_TOKENS, stop_token_ids=pair.ours.eos_token_ids)
-        comparisons[name] = Comparison(ours.prompt_logits, ours.token_ids, ref_logits, ref_tokens)
+    for name, mine in in_thread(generate).items():
+        theirs = reference.outputs[name]
+        comparisons[name] = Comparison(mine.prompt_logits, mine.token_ids, theirs.logits, theirs.tokens)
     return comparisons
-
-
-@pytest.fixture(scope="module")
-def smollm2_pair(smollm2: LoadedModel, smollm2_gguf_path: Path) -> ModelPair:
-    """conftest's shared SmolLM2 (the default model, loaded from its GGUF) and transformers' load of it."""
-    return ModelPair(smollm2, load_reference(smollm2_gguf_path))
-
-
-@pytest.fixture(scope="module")
-def gemma3_pair(gemma3_gguf_path: Path) -> ModelPair:
-    return ModelPair(load_model(gemma3_gguf_path, dtype="float32"), load_reference(gemma3_gguf_path))
 
 
 @pytest.fixture(scope="module")
@@ -159,16 +124,38 @@ def smollm2_prompts(smollm2: LoadedModel) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def smollm2_comparisons(
-    smollm2_pair: ModelPair, smollm2_prompts: dict[str, list[int]]
-) -> dict[str, Comparison]:
-    return compare_with_transformers(smollm2_pair, smollm2_prompts)
+def gemma3_prompts(gemma3: LoadedModel) -> dict[str, list[int]]:
+    assert gemma3.tokenizer is not None
+    return {name: gemma3.tokenizer.encode(text) for name, text in GEMMA3_TEXTS.items()}
 
 
 @pytest.fixture(scope="module")
-def gemma3_comparisons(gemma3_pair: ModelPair) -> dict[str, Comparison]:
-    prompts = {name: gemma3_pair.tokenizer.encode(text) for name, text in GEMMA3_TEXTS.items()}
-    return compare_with_transformers(gemma3_pair, prompts)
+def smollm2_reference(
+    smollm2: LoadedModel, smollm2_gguf_path: Path, smollm2_prompts: dict[str, list[int]]
+) -> HFReference:
+    """transformers' load of the file conftest's shared SmolLM2 (the default model) was loaded from."""
+    return hf_reference(smollm2_gguf_path, smollm2_prompts, NEW_TOKENS, smollm2.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def gemma3_reference(
+    gemma3: LoadedModel, gemma3_gguf_path: Path, gemma3_prompts: dict[str, list[int]]
+) -> HFReference:
+    return hf_reference(gemma3_gguf_path, gemma3_prompts, NEW_TOKENS, gemma3.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def smollm2_comparisons(
+    smollm2: LoadedModel, smollm2_reference: HFReference, smollm2_prompts: dict[str, list[int]]
+) -> dict[str, Comparison]:
+    return compare_with_transformers(smollm2, smollm2_reference, smollm2_prompts)
+
+
+@pytest.fixture(scope="module")
+def gemma3_comparisons(
+    gemma3: LoadedModel, gemma3_reference: HFReference, gemma3_prompts: dict[str, list[int]]
+) -> dict[str, Comparison]:
+    return compare_with_transformers(gemma3, gemma3_reference, gemma3_prompts)
 
 
 def assert_matches(comparison: Comparison) -> None:
@@ -200,18 +187,21 @@ def test_smollm2_prompts_cover_the_intended_lengths(
 
 
 @pytest.mark.slow
-def test_gemma3_long_prompt_exceeds_the_sliding_window(gemma3_pair: ModelPair) -> None:
-    assert {w for w in gemma3_pair.ours.config.sliding_windows if w} == {512}
-    assert 550 <= len(gemma3_pair.tokenizer.encode(GEMMA3_TEXTS["past window"])) <= 700
+def test_gemma3_long_prompt_exceeds_the_sliding_window(
+    gemma3: LoadedModel, gemma3_prompts: dict[str, list[int]]
+) -> None:
+    assert {w for w in gemma3.config.sliding_windows if w} == {512}
+    assert 550 <= len(gemma3_prompts["past window"]) <= 700
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["smollm2_pair", "gemma3_pair"])
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_tokenizer_encodes_like_transformers(model: str, request: pytest.FixtureRequest) -> None:
-    pair: ModelPair = request.getfixturevalue(model)
-    hf_tokenizer = pair.tokenizer.hf_tokenizer  # AutoTokenizer.from_pretrained(dir, gguf_file=name)
+    tokenizer: Tokenizer | None = request.getfixturevalue(model).tokenizer
+    assert tokenizer is not None
+    hf_tokenizer = tokenizer.hf_tokenizer  # AutoTokenizer.from_pretrained(dir, gguf_file=name)
     for text in [*SMOLLM2_TEXTS.values(), *GEMMA3_TEXTS.values()]:
-        assert pair.tokenizer.encode(text) == hf_tokenizer(text).input_ids
+        assert tokenizer.encode(text) == hf_tokenizer(text).input_ids
 
 
 def expected_from_transformers(hf: Any) -> dict[str, Any]:
@@ -249,11 +239,11 @@ def actual_fields(config: ModelConfig) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["smollm2_pair", "gemma3_pair"])
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_config_matches_transformers(model: str, request: pytest.FixtureRequest) -> None:
-    pair: ModelPair = request.getfixturevalue(model)
-    expected = expected_from_transformers(pair.reference.config)
-    actual = actual_fields(pair.ours.config)
+    reference: HFReference = request.getfixturevalue(f"{model}_reference")
+    expected = expected_from_transformers(reference.config)
+    actual = actual_fields(request.getfixturevalue(model).config)
     assert {key: actual[key] for key in expected} == expected
 
 

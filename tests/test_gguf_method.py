@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine_helpers import in_thread, llm_for
 from gguf_fixtures import GGUF_ARCH, save_hf_model, tiny_gguf_config, write_gguf
 from test_gguf_packed import make_blocks, reference
 from tiny_models import save_tiny_model
@@ -100,24 +101,24 @@ def test_gguf_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
         load_model(float_file, quantization="gguf")
 
 
-@pytest.mark.parametrize("fixture", ["smollm2_gguf_path", "gemma3_gguf_path"])
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_real_models_through_the_gguf_method_decode_the_float32_greedy_tokens(
-    fixture: str, request: pytest.FixtureRequest
+    model: str, request: pytest.FixtureRequest
 ) -> None:
     """SmolLM2 Q4_1 (the default model) and Gemma 3 Q4_K_M (Q5_0 q/k beside Q8_0 v: a fused weight in
     two formats) loaded with ``quantization="gguf"``: 32 greedy tokens of one sequence and of four
-    together equal the float32 engine's."""
+    together equal those of the float32 engine (over conftest's shared float32 load of the same file)."""
     from tokenmill.llm import LLM
     from tokenmill.sampling_params import SamplingParams
 
-    path = str(request.getfixturevalue(fixture))
+    path = str(request.getfixturevalue(f"{model}_gguf_path"))
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:"]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
     def greedy(llm: LLM, batch: list[str]) -> list[list[int]]:
-        return [list(out.outputs[0].token_ids) for out in llm.generate(batch, params)]
+        return [list(out.outputs[0].token_ids) for out in in_thread(lambda: llm.generate(batch, params))]
 
-    float32 = LLM(path, max_model_len=128, max_num_seqs=4)
+    float32 = llm_for(request.getfixturevalue(model), max_model_len=128, max_num_seqs=4)
     expected = greedy(float32, prompts[:1]), greedy(float32, prompts)
     del float32
     packed = LLM(path, max_model_len=128, max_num_seqs=4, quantization="gguf")

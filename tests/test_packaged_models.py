@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
+from engine_helpers import in_thread, llm_for
 from tokenmill.cli import EXIT_BAD_INPUT, main
 from tokenmill.errors import ModelLoadError
+from tokenmill.loading import LoadedModel
 from tokenmill.loading.default_model import default_model_path
 from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.loading.gguf_file import GGUFFile
@@ -72,12 +74,14 @@ GEMMA_EXPECTED = (
 
 
 @pytest.mark.slow
-def test_gemma3_without_a_template_in_its_file_chats_in_gemmas_turn_format(gemma3_gguf_path: Path) -> None:
+def test_gemma3_without_a_template_in_its_file_chats_in_gemmas_turn_format(
+    gemma3_gguf_path: Path, gemma3: LoadedModel
+) -> None:
     metadata = GGUFFile(gemma3_gguf_path).metadata
     assert "tokenizer.chat_template" not in metadata  # what this test is about
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     checkpoint = GGUFCheckpoint(gemma3_gguf_path)
-    tokenizer = checkpoint.tokenizer()
+    tokenizer = gemma3.tokenizer  # checkpoint.tokenizer(), built when conftest's shared Gemma 3 was loaded
     assert tokenizer is not None
     assert tokenizer.apply_chat_template(GEMMA_TURNS) == GEMMA_EXPECTED
     no_prompt = tokenizer.apply_chat_template(GEMMA_TURNS[1:2], add_generation_prompt=False)
@@ -88,12 +92,18 @@ def test_gemma3_without_a_template_in_its_file_chats_in_gemmas_turn_format(gemma
 
 
 @pytest.mark.slow
-def test_tokenmill_chat_runs_gemma3_by_its_short_name(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    from tokenmill import LLM, SamplingParams
+def test_tokenmill_chat_runs_gemma3_by_its_short_name(
+    gemma3: LoadedModel, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The command loads the model by its short name; what it prints is what ``LLM.chat`` answers over
+    conftest's shared float32 load of the same file."""
+    from tokenmill import SamplingParams
 
     monkeypatch.setattr("sys.stdin", io.StringIO("Capital of France?\n"))  # piped: not a tty
-    assert main(["chat", "--model", "gemma3-270m", "--temperature", "0", "--max-tokens", "8"]) == 0
+    args = ["chat", "--model", "gemma3-270m", "--temperature", "0", "--max-tokens", "8"]
+    assert in_thread(lambda: main(args)) == 0
     printed = capsys.readouterr().out
-    llm = LLM("gemma3-270m")
-    expected = llm.chat([GEMMA_TURNS[1]], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    llm = llm_for(gemma3)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    expected = in_thread(lambda: llm.chat([GEMMA_TURNS[1]], params))[0].outputs[0].text
     assert printed == expected + "\n"

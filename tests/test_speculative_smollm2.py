@@ -73,15 +73,12 @@ def test_greedy_smollm2_outputs_are_identical_with_and_without_speculation(smoll
             assert stats.num_accepted == stats.num_proposed
 
 
-def test_greedy_gemma3_outputs_are_identical_with_and_without_ngram_speculation(gemma3_gguf_path) -> None:  # type: ignore[no-untyped-def]
-    from tokenmill.loading import load_model
-
-    gemma = load_model(gemma3_gguf_path, dtype="float32")
+def test_greedy_gemma3_outputs_are_identical_with_and_without_ngram_speculation(gemma3) -> None:  # type: ignore[no-untyped-def]
     prompt = "Repeat this list exactly: apples, pears, plums, apples, pears, plums, apples,"
     params = SamplingParams(temperature=0, max_tokens=40)
     outputs = []
     for options in ({}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}):
-        llm = LLM(engine=engine_for(gemma, max_num_seqs=1, max_model_len=512, **options))
+        llm = LLM(engine=engine_for(gemma3, max_num_seqs=1, max_model_len=512, **options))
         outputs.append(in_thread(lambda llm=llm: llm.generate(prompt, params))[0].outputs[0])
     assert outputs[0].token_ids == outputs[1].token_ids
     assert outputs[0].text == outputs[1].text

@@ -19,7 +19,6 @@ import pytest
 from engine_helpers import in_thread, llm_for
 from structured_cases import CHOICES, GRAMMARS, REGEXES, SCHEMAS
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
-from tokenmill.loading import LoadedModel, load_model
 from tokenmill.outputs import CompletionOutput
 
 MODELS = ("smollm2", "gemma3")
@@ -27,11 +26,6 @@ BACKENDS = ("llguidance", "xgrammar")
 SEEDS = (0, 1, 2)
 TEMPERATURE = 0.7
 UNSUPPORTED = {"xgrammar": {"allof"}}  # refused by that backend (it would not enforce allOf)
-
-
-@pytest.fixture(scope="module")
-def gemma3(gemma3_gguf_path) -> LoadedModel:  # type: ignore[no-untyped-def]
-    return load_model(gemma3_gguf_path, dtype="float32")
 
 
 @pytest.fixture(scope="module", params=[(m, b) for m in MODELS for b in BACKENDS], ids="-".join)

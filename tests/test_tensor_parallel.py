@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine_helpers import in_thread
 from quant_reference import write_prequantized
 from tiny_models import head_split_configs, save_tiny_model
 from tokenmill import LLM
@@ -183,13 +184,22 @@ def test_bad_size_is_refused_by_the_config() -> None:
         EngineConfig(tensor_parallel_size=0)
 
 
+SHARED_LOADS = {"smollm2": "smollm2", "gemma3-270m": "gemma3"}  # conftest's fixture of each model
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "tp"), [("smollm2", 3), ("gemma3-270m", 2)])
-def test_real_models_match_one_rank(model: str, tp: int) -> None:
-    """SmolLM2: 9 heads, 3 KV heads over 3 ranks; Gemma 3 270M: 4 heads, 1 KV head replicated on 2."""
+def test_real_models_match_one_rank(model: str, tp: int, request: pytest.FixtureRequest) -> None:
+    """SmolLM2: 9 heads, 3 KV heads over 3 ranks; Gemma 3 270M: 4 heads, 1 KV head replicated on 2. Each
+    rank loads its shard by the short name; one rank runs over conftest's shared float32 load."""
     prompts = {"a": [1, 504, 3458, 282, 4649, 314], "b": [2, 651, 3087, 576, 6081, 603]}
     options = {"max_model_len": 128, "num_kv_blocks": 16}
-    reference = _greedy(model, 1, prompts, **options)
+    config = EngineConfig().with_options(device="cpu", **options)
+    one_rank = LLMEngine(config, loaded=request.getfixturevalue(SHARED_LOADS[model]))
+    try:
+        reference = in_thread(lambda: _run(one_rank, prompts))
+    finally:
+        one_rank.shutdown()
     assert all(reference.values())
     assert _greedy(model, tp, prompts, **options) == reference
 
