@@ -121,6 +121,54 @@ def test_each_rank_pools_only_its_kv_heads(folders: dict[str, Path]) -> None:
         two.shutdown()
 
 
+def test_every_rank_sizes_its_pool_when_no_size_is_given(folders: dict[str, Path]) -> None:
+    """Without num_kv_blocks each rank sizes its own pool (on a GPU by profiling in step with the others)
+    and the ranks agree on the smallest: the workers must join that agreement, or this start-up hangs."""
+    one = _engine(str(folders["llama3"]), 1, num_kv_blocks=None)
+    two = _engine(str(folders["llama3"]), 2, num_kv_blocks=None)
+    try:
+        assert two.kv_cache.pool_tokens == one.kv_cache.pool_tokens > 64 * 16
+        assert _run(two, PROMPTS) == _run(one, PROMPTS)
+    finally:
+        two.shutdown()
+
+
+def _smallest_of_ranks(rank: int, port: int, values: list[int], found: Any) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tokenmill.distributed import destroy_tensor_parallel, init_tensor_parallel, min_over_ranks
+
+    store = dist.TCPStore("127.0.0.1", port, len(values), is_master=rank == 0)
+    timeout = timedelta(seconds=60)
+    init_tensor_parallel("gloo", store, rank, len(values), timeout, timeout)
+    try:
+        found.put((rank, min_over_ranks(values[rank], torch.device("cpu"))))
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_min_over_ranks_gives_every_rank_the_smallest_value() -> None:
+    from tokenmill.parallel.launcher import _free_port
+
+    context = multiprocessing.get_context("spawn")
+    found = context.SimpleQueue()
+    values, port = [700, 300, 500], _free_port()
+    ranks = [context.Process(target=_smallest_of_ranks, args=(r, port, values, found)) for r in range(3)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    assert sorted(found.get() for _ in ranks) == [(0, 300), (1, 300), (2, 300)]
+
+
+def test_custom_all_reduce_on_cpu_is_a_clear_error(folders: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="custom_all_reduce needs CUDA devices"):
+        _engine(str(folders["llama3"]), 2, custom_all_reduce=True)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("tokenmill-tp")]
+
+
 def test_preemption_under_continuous_batching(folders: dict[str, Path]) -> None:
     """A pool too small for every sequence at once: sequences are preempted and recomputed, on every rank
     alike, and the tokens stay those of one rank."""

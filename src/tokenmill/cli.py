@@ -43,6 +43,10 @@ BENCHMARKS = {
         "tokenmill.benchmarks.accuracy.command",
         "quantized modes against the unquantized model: perplexity, top-1 agreement, greedy tokens",
     ),
+    "tensor-parallel": (
+        "tokenmill.benchmarks.tensor_parallel.command",
+        "tensor parallelism against one GPU: greedy tokens, batch-1 decode, all-reduce latency, throughput",
+    ),
 }
 # The command line's own temperature: milder than SamplingParams' (and OpenAI's) 1.0, for text that reads
 # well in a terminal from a small model; the server and LLM.generate keep 1.0.

@@ -69,12 +69,8 @@ class KVCacheConfig:
             "in (0, 1]",
             self.gpu_memory_utilization,
         )
-        _require(
-            self.cpu_kv_cache_gib is None or self.cpu_kv_cache_gib > 0,
-            "cpu_kv_cache_gib",
-            "positive (or None: sized)",
-            self.cpu_kv_cache_gib,
-        )
+        positive = self.cpu_kv_cache_gib is None or self.cpu_kv_cache_gib > 0
+        _require(positive, "cpu_kv_cache_gib", "positive (or None: sized)", self.cpu_kv_cache_gib)
         _require(
             not (self.prefix_caching and self.mode != "paged"),
             "prefix_caching",
@@ -272,6 +268,9 @@ class EngineConfig:
     debug_checks: bool = False  # check allocator + prefix-tree integrity after every step
     # Ranks each layer is split over (Megatron-style); rank 0 schedules, the others are worker processes.
     tensor_parallel_size: int = 1
+    # Under tensor parallelism on GPUs: small all-reduces (decode steps) through symmetric memory, one
+    # kernel reading every rank's buffer, instead of NCCL. None (auto): on where it can be set up.
+    custom_all_reduce: bool | None = None
     # Before the first request, run synthetic ones through every kernel the engine can hit, so Triton
     # compiles them at start-up, not inside a request. None (auto): on where Triton kernels compile.
     warm_start: bool | None = None

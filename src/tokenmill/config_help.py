@@ -23,6 +23,9 @@ OPTION_HELP: dict[str, str] = {
     "max_model_len": "longest sequence (prompt + output) in tokens; unset: the model's limit, at most 8192",
     "tensor_parallel_size": "split each layer over this many processes (one per GPU; gloo on cpu); rank 0 "
     "schedules, the others run the same forward pass on their shard",
+    "custom_all_reduce": "under tensor parallelism on GPUs, all-reduces of up to 512 KiB (decode steps) "
+    "through symmetric memory (one kernel reads every rank's buffer over NVLink) instead of NCCL; unset: "
+    "on where it can be set up",
     "debug_checks": "check the block allocator and the prefix tree after every step (slow)",
     "structured_output_backend": "grammar engine of structured outputs (JSON schema, regex, choice, "
     "grammar): llguidance, or xgrammar (pip install 'tokenmill[xgrammar]')",

@@ -7,7 +7,8 @@ initialized tensor-parallel group everything is built as rank 0 of 1, and :func:
 inside one (the draft model rank 0 runs alone). :func:`init_tensor_parallel` (called by
 :mod:`tokenmill.parallel`) starts the group: the model's collectives run on the default process group
 (NCCL on CUDA, gloo on CPU); the step inputs rank 0 sends each step travel on a second, gloo group
-(:func:`control_group`).
+(:func:`control_group`). On GPUs, :func:`set_up_all_reduce` may route the small all-reduces through
+symmetric memory instead of NCCL (:mod:`tokenmill.symmetric_all_reduce`).
 """
 
 import contextlib
@@ -18,12 +19,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tokenmill.symmetric_all_reduce import SymmetricAllReduce, create_symmetric_all_reduce
+
 
 @dataclasses.dataclass
 class _TensorParallelState:
     world_size: int = 1
     rank: int = 0
     control: dist.ProcessGroup | None = None  # gloo, CPU tensors: headers and step inputs
+    small_all_reduce: SymmetricAllReduce | None = None  # custom_all_reduce: messages it fits skip NCCL
 
 
 _STATE = _TensorParallelState()
@@ -44,7 +48,21 @@ def destroy_tensor_parallel() -> None:
     """Leave the group (rank 0 at shutdown), so that a later engine in this process starts its own."""
     if _STATE.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
-    _STATE.world_size, _STATE.rank, _STATE.control = 1, 0, None
+    _STATE.world_size, _STATE.rank, _STATE.control, _STATE.small_all_reduce = 1, 0, None, None
+
+
+def set_up_all_reduce(custom: bool | None, device: torch.device) -> None:
+    """Every rank, in step, before the model's first collective: route the all-reduces that fit through
+    symmetric memory when ``custom`` (None: on GPUs where it can be set up), else all through NCCL / gloo."""
+    _STATE.small_all_reduce = None
+    if _STATE.world_size == 1 or custom is False or (custom is None and device.type != "cuda"):
+        return
+    assert dist.group.WORLD is not None
+    _STATE.small_all_reduce = create_symmetric_all_reduce(dist.group.WORLD, device, required=custom is True)
+
+
+def uses_custom_all_reduce() -> bool:
+    return _STATE.small_all_reduce is not None
 
 
 def tp_world_size() -> int:
@@ -74,10 +92,25 @@ def control_group() -> dist.ProcessGroup:
 
 
 def all_reduce_sum(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The sum of ``x`` over the ``world_size`` ranks a layer was built for (1: ``x``, no collective)."""
-    if world_size > 1:
-        dist.all_reduce(x)
+    """The sum of ``x`` over the ``world_size`` ranks a layer was built for (1: ``x``, no collective): in
+    place through NCCL / gloo, or a new tensor from the symmetric-memory path where ``x`` fits it."""
+    if world_size == 1:
+        return x
+    small = _STATE.small_all_reduce
+    if small is not None and small.fits(x):
+        return small(x)
+    dist.all_reduce(x)
     return x
+
+
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest of the ranks' ``value`` (each rank calls this in step; ``device``: where the model's
+    collectives run)."""
+    if _STATE.world_size == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
 
 
 def all_gather_last_dim(x: torch.Tensor, world_size: int) -> torch.Tensor:

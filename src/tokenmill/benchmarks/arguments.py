@@ -17,6 +17,7 @@ from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
 from tokenmill.benchmarks.scenarios.workloads import WORKLOADS
 from tokenmill.benchmarks.seeds.sizes import PRESETS as SEED_PRESETS
 from tokenmill.benchmarks.seeds.sizes import TABLES, add_size_arguments, table_list
+from tokenmill.benchmarks.tensor_parallel.arguments import add_tensor_parallel_arguments
 from tokenmill.benchmarks.workload import DATASETS, parse_length_range
 from tokenmill.config import EngineConfig, StructuredOutputBackendName
 from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
@@ -400,4 +401,5 @@ BENCHMARK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "speculative": add_speculative_arguments,
     "seeds": add_seeds_arguments,
     "accuracy": add_accuracy_arguments,
+    "tensor-parallel": add_tensor_parallel_arguments,
 }

@@ -8,6 +8,7 @@ import torch
 
 from tokenmill.attention.selector import create_attention_backend
 from tokenmill.config import EngineConfig
+from tokenmill.distributed import min_over_ranks, set_up_all_reduce
 from tokenmill.engine.hardware_defaults import kernel_options_for
 from tokenmill.kernels.options import KernelOptions, resolve_kernel_toggle
 from tokenmill.loading import LoadedModel
@@ -40,13 +41,15 @@ def build_runner(
     backend = create_attention_backend(kernels, device, options.pdl)
     sampler = Sampler(fused=resolve_kernel_toggle("sampling", kernels.fused_sampling, device))
     dtype = next(model.parameters()).dtype
+    profile = functools.partial(profile_forward, model, backend, sampler)
     if workers is None:
-        profile = functools.partial(profile_forward, model, backend, sampler)
         kv_cache = create_kv_cache(config, model_config, max_model_len, device, dtype, profile)
     else:
+        workers.sender.setup(max_model_len)  # each worker now does what this rank does, in step
+        set_up_all_reduce(config.custom_all_reduce, device)
         rank_config = per_rank_model_config(model_config, workers.world_size)
-        kv_cache = create_kv_cache(config, rank_config, max_model_len, device, dtype)
-        workers.sender.setup(kv_cache.pool_tokens // kv_cache.manager.block_size, max_model_len)
+        agree = functools.partial(min_over_ranks, device=device)
+        kv_cache = create_kv_cache(config, rank_config, max_model_len, device, dtype, profile, agree)
     graphs = config.graphs
     runner = ModelRunner(
         model,

@@ -5,10 +5,12 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed import uses_custom_all_reduce
 from tokenmill.engine.warm_start import WarmStartReport
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.runner.cuda_graphs import CaptureReport
 from tokenmill.runner.kv_cache import KVCache
+from tokenmill.symmetric_all_reduce import DEFAULT_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ def describe_startup(
 ) -> str:
     scheduler = config.scheduler
     parts = [
-        f"tokenmill ready on {_device_name(device)}",
+        f"tokenmill ready on {_device_name(device)}" + _tensor_parallel(config.tensor_parallel_size),
         f"attention {config.kernels.attention_backend}",
         "fused kernels "
         + ("+".join(kernels.enabled) if kernels.enabled else "none")
@@ -43,6 +45,14 @@ def describe_startup(
         _times(times, graphs, prefill_graphs),
     ]
     return "; ".join(parts)
+
+
+def _tensor_parallel(size: int) -> str:
+    if size == 1:
+        return ""
+    small = f"symmetric memory up to {DEFAULT_MAX_BYTES // 1024} KiB, NCCL above"
+    path = small if uses_custom_all_reduce() else "the process group"
+    return f" and {size - 1} worker rank(s), all-reduces through {path}"
 
 
 def _host_threads(count: int) -> str:

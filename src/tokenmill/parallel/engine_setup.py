@@ -1,5 +1,6 @@
-"""What the engine changes when it runs tensor-parallel: workers to start and a per-rank KV pool. Steps run
-as they do on one rank, CUDA graphs and overlapped decoding included (each worker follows rank 0's steps)."""
+"""What the engine changes when it runs tensor-parallel: workers to start and a per-rank KV pool (every rank
+profiles its own GPU; the smallest pool wins). Steps run as they do on one rank, CUDA graphs and
+overlapped decoding included (each worker follows rank 0's steps)."""
 
 import torch
 
@@ -19,9 +20,9 @@ def start_workers(config: EngineConfig, device: torch.device, preloaded: bool) -
             "tensor_parallel_size > 1 loads each rank's shard of the model (and the draft model, whole on "
             "rank 0) itself: pass them by name (model, speculative_model), not already loaded"
         )
-    if device.type == "cuda" and config.kv.num_blocks is None:
+    if config.custom_all_reduce and device.type != "cuda":
         raise ValueError(
-            "tensor_parallel_size > 1 on CUDA needs num_kv_blocks for now (the KV pool's memory profile "
-            "runs a forward pass on rank 0 alone)"
+            f"custom_all_reduce needs CUDA devices (symmetric memory between GPUs), not {device.type}: "
+            "leave it unset or off (the ranks' all-reduces then go through gloo)"
         )
     return WorkerGroup(config, device)

@@ -44,7 +44,7 @@ class Command(enum.IntEnum):
     FORWARD = 1
     LOGITS = 2
     SHUTDOWN = 3
-    SETUP = 4  # once, before the first step: the KV pool's blocks and the resolved max_model_len
+    SETUP = 4  # once, before the first step: the resolved max_model_len (then every rank sizes its pool)
     GRAPHS = 5  # once, where graph runners are used: their plan; every rank then captures
     DECODE_GRAPH = 6  # a decode step of this many padded rows, through the decode graph runner
     START_NEXT = 7  # an overlapped decode step, fed the tokens rank 0 sampled
@@ -86,9 +86,9 @@ class StepSender:
         _broadcast_header(header)
         dist.broadcast(hidden.contiguous(), 0)
 
-    def setup(self, num_blocks: int, max_model_len: int) -> None:
+    def setup(self, max_model_len: int) -> None:
         header = [0] * HEADER_LEN
-        header[:3] = [Command.SETUP, num_blocks, max_model_len]
+        header[:2] = [Command.SETUP, max_model_len]
         _broadcast_header(header)
 
     def shutdown(self) -> None:

@@ -9,6 +9,7 @@ steps included: whether rank 0 then uses or drops such a step is rank 0's busine
 """
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -20,7 +21,13 @@ import torch.distributed as dist
 from tokenmill.attention import AttentionBackend, ForwardContext, forward_context
 from tokenmill.attention.selector import create_attention_backend
 from tokenmill.config import EngineConfig
-from tokenmill.distributed import destroy_tensor_parallel, init_tensor_parallel, kv_head_shard
+from tokenmill.distributed import (
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    kv_head_shard,
+    min_over_ranks,
+    set_up_all_reduce,
+)
 from tokenmill.engine.hardware_defaults import Platform, kernel_options_for, resolve_config
 from tokenmill.loading.loader import load_model_for
 from tokenmill.models import CausalLM, ModelConfig
@@ -34,6 +41,7 @@ from tokenmill.parallel.step_broadcast import (
 )
 from tokenmill.runner.graph_runners import GraphRunners, build_graph_runners
 from tokenmill.runner.kv_cache import KVCache, create_kv_cache
+from tokenmill.runner.memory_profile import profile_forward
 from tokenmill.runner.step_inputs import attention_metadata, to_device_async
 
 logger = logging.getLogger(__name__)
@@ -106,20 +114,23 @@ class Shard:
 
 
 def _build_shard(config: EngineConfig, device: torch.device) -> Shard:
-    """This rank's shard of the model and its KV pool, of the size rank 0 announces."""
+    """This rank's shard of the model and its KV pool, built in step with rank 0 (``build_runner``): the
+    all-reduce path, then the pool, sized by profiling this GPU as rank 0 profiles its own (the
+    profile's forward passes pair their collectives) and agreeing on the smallest count."""
     loaded = load_model_for(config, device)
-    command, num_blocks, max_model_len = receive_header()[:3]
+    command, max_model_len = receive_header()[:2]
     if command != Command.SETUP:
         raise RuntimeError(f"expected rank 0's set-up message, got command {command}")
     resolved = resolve_config(config, Platform.detect(device), max_model_len)
-    if num_blocks:  # 0: no pool (kv_cache none)
-        resolved = resolved.with_options(num_kv_blocks=num_blocks)
     options = kernel_options_for(resolved, device)
     model: CausalLM = loaded.model.with_kernels(options)
     backend = create_attention_backend(resolved.kernels, device, options.pdl)
     dtype = next(model.parameters()).dtype
+    set_up_all_reduce(resolved.custom_all_reduce, device)
     kv_config = per_rank_model_config(loaded.config, dist.get_world_size())
-    kv = create_kv_cache(resolved, kv_config, max_model_len, device, dtype)
+    profile = functools.partial(profile_forward, model, backend, None)
+    agree = functools.partial(min_over_ranks, device=device)
+    kv = create_kv_cache(resolved, kv_config, max_model_len, device, dtype, profile, agree)
     return Shard(model, backend, kv, max_model_len, device)
 
 

@@ -7,6 +7,7 @@ two modes differ only in what they reserve: a whole context per sequence, or 16 
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,10 +49,13 @@ def create_kv_cache(
     device: torch.device,
     dtype: torch.dtype,
     profile_forward: ProfileForward | None = None,
+    agree: Callable[[int], int] | None = None,
 ) -> KVCache:
     """The pool and its bookkeeping. On CUDA, unless ``num_kv_blocks`` is set, the pool takes what
     ``gpu_memory_utilization`` of the GPU leaves after the weights and the activations of the largest
-    step, measured by running it through ``profile_forward``."""
+    step, measured by running it through ``profile_forward``. ``agree``: under tensor parallelism, the
+    smallest of the ranks' block counts (each rank sizes its own pool on its own GPU, profiling in step
+    with the others; they must hold the same number of blocks, which rank 0's block tables index)."""
     kv = config.kv
     per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
     if kv.mode == "none":
@@ -67,6 +71,8 @@ def create_kv_cache(
         num_blocks = num_blocks_for_budget(budget, *shape)
     if kv.mode == "contiguous":
         num_blocks = min(num_blocks, config.scheduler.max_running)
+    if agree is not None:
+        num_blocks = agree(num_blocks)
     tokens = num_blocks * block_size
     logger.info(
         "KV cache (%s): %d blocks of %d tokens = %d tokens, %.2f GiB",

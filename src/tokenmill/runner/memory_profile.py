@@ -28,13 +28,14 @@ ProfileForward = Callable[[int, int, int], None]
 def profile_forward(
     model: CausalLM,
     backend: AttentionBackend,
-    sampler: Sampler,
+    sampler: Sampler | None,
     num_tokens: int,
     max_seq_len: int,
     num_sampled: int,
 ) -> None:
     """Run ``num_tokens`` tokens as sequences of up to ``max_seq_len`` with no KV cache, then sample the
-    last ``num_sampled`` rows with top-k and top-p: the activations of the largest step."""
+    last ``num_sampled`` rows with top-k and top-p: the activations of the largest step. A tensor-parallel
+    worker passes no ``sampler``: it computes its share of the logits, which rank 0 samples."""
     device = next(model.parameters()).device
     lens = [min(max_seq_len, num_tokens - start) for start in range(0, num_tokens, max_seq_len)]
     metadata = AttentionMetadata.for_prefill(lens, device)
@@ -44,8 +45,9 @@ def profile_forward(
         hidden = model(input_ids, positions)
     if num_sampled:
         logits = model.compute_logits(hidden[-num_sampled:])
-        rows = [SamplingRow(PROFILE_SAMPLING)] * num_sampled
-        sampler(logits, SamplingBatch.build(rows, model.config.vocab_size, device))
+        if sampler is not None:
+            rows = [SamplingRow(PROFILE_SAMPLING)] * num_sampled
+            sampler(logits, SamplingBatch.build(rows, model.config.vocab_size, device))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,141 @@
+"""The engine runs of ``bench tensor-parallel``, each in a fresh process: an engine at each tensor-parallel
+size gets a clean GPU (its ranks, its KV pool, its process group and symmetric memory) and leaves nothing
+behind for the next."""
+
+import dataclasses
+import gc
+import multiprocessing
+import random
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from tokenmill.benchmarks.latency import Latency, median_latency, tokenmill_once, weight_bytes_read_per_token
+from tokenmill.benchmarks.measure import run_engine, warm_up_engine
+from tokenmill.benchmarks.workload import DATASETS, WorkloadSpec, build_workload
+from tokenmill.config import EngineConfig
+from tokenmill.distributed import uses_custom_all_reduce
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+def in_fresh_process(function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)`` in a spawned process (not a daemon: it starts the workers of its engine)."""
+    context = multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()
+    process = context.Process(target=_call_and_put, args=(function, args, results), daemon=False)
+    process.start()
+    process.join()
+    if process.exitcode != 0 or results.empty():
+        raise RuntimeError(
+            f"{function.__name__}{args} failed (exit code {process.exitcode}; its error is above)"
+        )
+    result: T = results.get()
+    return result
+
+
+def _call_and_put(function: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+    results.put(function(*args))
+
+
+def _with_engine(config: EngineConfig, use: Callable[[LLMEngine], T]) -> T:
+    engine = LLMEngine(config)
+    try:
+        return use(engine)
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# -- correctness ------------------------------------------------------------------------------------------
+
+
+def greedy_tokens(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Every prompt's greedy tokens, the prompts batched together."""
+
+    def generate(engine: LLMEngine) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outputs: dict[str, list[int]] = {str(index): [] for index in range(len(prompts))}
+        for index, prompt in enumerate(prompts):
+            engine.add_request(str(index), prompt, params)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                outputs[delta.request_id].extend(delta.new_token_ids)
+        return [outputs[str(index)] for index in range(len(prompts))]
+
+    return _with_engine(config, generate)
+
+
+def random_prompts(
+    vocab_size: int, count: int, seed: int, lengths: tuple[int, int] = (16, 64)
+) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+# -- batch-1 decode ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRun:
+    latency: Latency
+    weight_bytes_per_rank: int  # rank 0's shard, read once per decode step
+    custom_all_reduce: bool  # whether the symmetric-memory path was set up
+    startup: str  # the engine's start-up line
+
+
+def decode_latency(config: EngineConfig, input_len: int, output_len: int, iters: int, seed: int) -> DecodeRun:
+    def measure(engine: LLMEngine) -> DecodeRun:
+        prompt = random_prompts(engine.model_config.vocab_size, 1, seed, (input_len, input_len))[0]
+        latency = median_latency(lambda: tokenmill_once(engine, prompt, output_len), iters)
+        weights = weight_bytes_read_per_token(engine.loaded.model)
+        return DecodeRun(latency, weights, uses_custom_all_reduce(), engine.describe_startup())
+
+    return _with_engine(config, measure)
+
+
+# -- throughput -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputRun:
+    output_tokens: int
+    elapsed_s: float
+    num_steps: int
+    preemptions: int
+    kv_pool_bytes: int  # rank 0's pool, sized by the memory profile of every rank
+    startup: str
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+
+def nano_vllm_spec(num_requests: int) -> WorkloadSpec:
+    preset = DATASETS["nano-vllm"]
+    lengths = preset.length_range
+    return WorkloadSpec(num_requests, lengths, lengths, preset.seed, preset.ignore_eos, preset.prompt_source)
+
+
+def throughput(config: EngineConfig, num_requests: int) -> ThroughputRun:
+    def measure(engine: LLMEngine) -> ThroughputRun:
+        workload = build_workload(nano_vllm_spec(num_requests), None, engine.model_config.vocab_size)
+        warm_up_engine(engine, workload)
+        result = run_engine(engine, workload, f"TP={config.tensor_parallel_size}")
+        preemptions = engine.scheduler_stats().num_preemptions
+        pool = engine.kv_cache_memory().pool_bytes
+        return ThroughputRun(
+            result.num_output_tokens,
+            result.elapsed_s,
+            result.num_steps,
+            preemptions,
+            pool,
+            engine.describe_startup(),
+        )
+
+    return _with_engine(config, measure)
