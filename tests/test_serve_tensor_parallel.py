@@ -73,9 +73,13 @@ class Server:
         )
         assert self.process.stderr is not None
         self.stderr = self.process.stderr
+        seen = []
         for line in self.stderr:
+            seen.append(line)
             if "Application startup complete" in line:
                 break
+        else:
+            raise AssertionError(f"the server exited with {self.process.wait()}:\n{''.join(seen)}")
         self.client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0
         )

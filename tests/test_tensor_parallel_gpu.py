@@ -2,6 +2,7 @@
 all-reduce captured inside CUDA graphs, each rank's KV pool sized by its own memory profile, and the
 greedy tokens of one GPU."""
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ def _greedy(folder: Path, tp: int, **options: Any) -> tuple[dict[str, list[int]]
         return tokens, engine.describe_startup()
     finally:
         engine.shutdown()
+        del engine
+        gc.collect()  # the next engine of this process sizes its pool from the memory this one leaves
 
 
 @pytest.mark.parametrize("custom_all_reduce", [None, False])

@@ -20,20 +20,25 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 
+failed=0
 stage() {  # name, timeout in seconds, command...
     local name=$1 limit=$2 start=$SECONDS
     shift 2
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local code=$?
+    [ $code = 0 ] || failed=1
     echo "== $name: exit $code in $((SECONDS - start)) s"
     tail -n 25 "$OUT/$name.log"
 }
 
 for name in $STAGES; do
     case $name in
-        tests) stage tests 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_tensor_parallel_gpu.py ;;
+        tests) stage tests "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider \
+                   -o faulthandler_timeout=120 tests/test_tensor_parallel_gpu.py ;;
         bench) stage bench "${BENCH_TIMEOUT:-420}" python3 -m tokenmill.cli bench tensor-parallel \
                    --sections "$SECTIONS" --report-dir "$OUT" ;;
-        serve) stage serve 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_serve_tensor_parallel.py -k cuda ;;
+        serve) stage serve "${SERVE_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider \
+                   tests/test_serve_tensor_parallel.py -k cuda ;;
     esac
 done
+exit $failed

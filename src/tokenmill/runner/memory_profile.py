@@ -113,6 +113,9 @@ def num_blocks_on_gpu(
 def _peak_bytes(device: torch.device, run: Callable[[], None]) -> int:
     """Peak memory allocated while ``run`` ran, above what was allocated before it."""
     torch.cuda.synchronize(device)
+    # Blocks cached but free (an engine this process dropped, say) would count in the reserved peak that
+    # read_device_memory takes as this process's use: hand them back before the peak is reset.
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     run()

@@ -38,6 +38,7 @@ from tokenmill.benchmarks.tensor_parallel.engines import (
     decode_latency,
     greedy_tokens,
     in_fresh_process,
+    log_with_times,
     random_prompts,
     throughput,
 )
@@ -78,7 +79,7 @@ def correctness(args: argparse.Namespace) -> tuple[list[str], bool]:
                 max_model_len=256,
                 tensor_parallel_size=size,
             )
-            outputs[size] = in_fresh_process(greedy_tokens, config, prompts, args.check_tokens)
+            outputs[size] = in_fresh_process(greedy_tokens, config, prompts, args.check_tokens, timeout_s=240)
     rows, passed = [], True
     for size, tokens in outputs.items():
         equal = sum(mine == theirs for mine, theirs in zip(tokens, outputs[1], strict=True))
@@ -165,7 +166,7 @@ def decode(args: argparse.Namespace, preset: dict[str, Any]) -> list[str]:
         for name, options in variants:
             config = engine_config(args, size, max_model_len, num_kv_blocks=blocks, **options)
             run = in_fresh_process(
-                decode_latency, config, args.input_len, args.output_len, args.iters, args.seed
+                decode_latency, config, args.input_len, args.output_len, args.iters, args.seed, timeout_s=240
             )
             runs.append((size, name, run))
             print(f"TP={size} {name}: {run.latency.decode_tokens_per_s:.1f} tok/s; {run.startup}", flush=True)
@@ -247,6 +248,7 @@ def offline_throughput(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    log_with_times()
     available = torch.cuda.device_count()
     if max(args.sizes) > available:
         print(
@@ -263,19 +265,20 @@ def run(args: argparse.Namespace) -> int:
         f"# Tensor parallelism: {available} x {hardware.name}, sizes {', '.join(map(str, args.sizes))}",
         "",
     ]
-    if "correctness" in args.sections:
-        section, passed = correctness(args)
-        lines += section
-        if not passed:
-            print("\n".join(lines))
-            print("CORRECTNESS CHECK FAILED: no numbers reported.", file=sys.stderr)
-            return 1
-    if "all-reduce" in args.sections and max(args.sizes) > 1:
-        lines += collectives(args, preset)
-    if "latency" in args.sections:
-        lines += decode(args, preset)
-    if "throughput" in args.sections:
-        lines += offline_throughput(args)
+    for section in args.sections:  # in the order given; a failed correctness check reports nothing
+        if section == "correctness":
+            found, passed = correctness(args)
+            if not passed:
+                print("\n".join(found))
+                print("CORRECTNESS CHECK FAILED: no numbers reported.", file=sys.stderr)
+                return 1
+        elif section == "all-reduce":
+            found = collectives(args, preset) if max(args.sizes) > 1 else []
+        elif section == "latency":
+            found = decode(args, preset)
+        else:
+            found = offline_throughput(args)
+        lines += found
     text = provenance_header(hardware) + "\n".join(lines)
     print(text)
     if args.report_dir is not None:

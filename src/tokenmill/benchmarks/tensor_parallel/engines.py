@@ -4,8 +4,10 @@ behind for the next."""
 
 import dataclasses
 import gc
+import logging
 import multiprocessing
 import random
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -20,25 +22,40 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
-def in_fresh_process(function: Callable[..., T], *args: Any) -> T:
-    """``function(*args)`` in a spawned process (not a daemon: it starts the workers of its engine)."""
+def in_fresh_process(function: Callable[..., T], *args: Any, timeout_s: float = 600.0) -> T:
+    """``function(*args)`` in a spawned process (not a daemon: it starts the workers of its engine),
+    killed after ``timeout_s``."""
     context = multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
     process = context.Process(target=_call_and_put, args=(function, args, results), daemon=False)
+    started = time.perf_counter()
     process.start()
-    process.join()
+    process.join(timeout_s)
+    if process.is_alive():
+        process.kill()  # its workers exit when their wait for rank 0's next step fails
+        process.join()
+    seconds = time.perf_counter() - started
     if process.exitcode != 0 or results.empty():
         raise RuntimeError(
-            f"{function.__name__}{args} failed (exit code {process.exitcode}; its error is above)"
+            f"{function.__name__} failed after {seconds:.0f} s (exit code {process.exitcode}; its error, if "
+            "any, is above)"
         )
+    logger.info("%s done in %.0f s", function.__name__, seconds)
     result: T = results.get()
     return result
 
 
 def _call_and_put(function: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
+    log_with_times()
     results.put(function(*args))
+
+
+def log_with_times() -> None:
+    """INFO lines with wall-clock times (the engines' start-up lines among them), on stderr."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(name)s: %(message)s")
 
 
 def _with_engine(config: EngineConfig, use: Callable[[LLMEngine], T]) -> T:
