@@ -57,7 +57,7 @@ class Server:
         ]
         if model is not None:
             options += ["--model", str(model)]
-        env = {**os.environ, "PYTHONPATH": str(SRC)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
         env.pop("TRITON_INTERPRET", None)
         command = [
             sys.executable,

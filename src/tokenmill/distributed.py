@@ -45,10 +45,19 @@ def init_tensor_parallel(
 
 
 def destroy_tensor_parallel() -> None:
-    """Leave the group (rank 0 at shutdown), so that a later engine in this process starts its own."""
+    """Leave the group (every rank at shutdown), so that a later engine in this process starts its own."""
+    _STATE.small_all_reduce = None  # its buffer goes before the group it was exchanged over
     if _STATE.world_size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
-    _STATE.world_size, _STATE.rank, _STATE.control, _STATE.small_all_reduce = 1, 0, None, None
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if dist.get_backend() == "nccl" and abort is not None:
+            # NCCL's destroy waits until every rank destroys its communicator too, so a rank that has
+            # already exited (or stopped) hangs it: abort the communicators instead, which waits for no
+            # one, after the gloo control group (which has no abort of its own).
+            dist.destroy_process_group(_STATE.control)
+            abort()
+        else:
+            dist.destroy_process_group()
+    _STATE.world_size, _STATE.rank, _STATE.control = 1, 0, None
 
 
 def set_up_all_reduce(custom: bool | None, device: torch.device) -> None:

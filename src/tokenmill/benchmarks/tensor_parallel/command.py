@@ -219,7 +219,10 @@ def decode(args: argparse.Namespace, preset: dict[str, Any]) -> list[str]:
 
 def offline_throughput(args: argparse.Namespace) -> list[str]:
     runs = [
-        (size, in_fresh_process(throughput, engine_config(args, size, 2048), args.num_requests))
+        (
+            size,
+            in_fresh_process(throughput, engine_config(args, size, 2048), args.num_requests, timeout_s=200),
+        )
         for size in args.sizes
     ]
     base = runs[0][1].output_tokens_per_s
