@@ -128,6 +128,7 @@ class WorkerGroup:
         if graceful and not self.dead_ranks():
             with contextlib.suppress(Exception):
                 self.sender.shutdown()
+            destroy_tensor_parallel()  # while the workers leave it too: NCCL's teardown waits for every rank
             for process in self.processes.values():
                 process.join(timeout=5.0)
         self._stop()  # kills what is left: a worker may wait inside a collective that will never complete

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from tokenmill.benchmarks.common import run_as_script
-from tokenmill.benchmarks.dummy_folder import write_folder
 from tokenmill.benchmarks.latency import measure_copy_bandwidth
 from tokenmill.benchmarks.report import detect_hardware, fmt_bytes, markdown_table, provenance_header
 from tokenmill.benchmarks.tensor_parallel.all_reduce import CollectiveTiming, measure_collectives
@@ -41,6 +40,7 @@ from tokenmill.benchmarks.tensor_parallel.engines import (
     log_with_times,
     random_prompts,
     throughput,
+    write_check_folder,
 )
 from tokenmill.cache.kv_pool import kv_bytes_per_token
 from tokenmill.config import EngineConfig
@@ -67,7 +67,7 @@ def correctness(args: argparse.Namespace) -> tuple[list[str], bool]:
     """Greedy tokens at every size against size 1, on one float32 folder of dummy weights."""
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / args.check_model
-        in_fresh_process(write_folder, args.check_model, folder, "float32", "cuda", args.seed)
+        in_fresh_process(write_check_folder, args.check_model, folder, args.seed)
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         prompts = random_prompts(vocab, args.check_prompts, args.seed)
         outputs = {}

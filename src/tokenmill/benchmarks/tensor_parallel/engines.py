@@ -6,13 +6,16 @@ import dataclasses
 import gc
 import logging
 import multiprocessing
+import queue
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+from tokenmill.benchmarks.dummy_folder import write_folder
 from tokenmill.benchmarks.latency import Latency, median_latency, tokenmill_once, weight_bytes_read_per_token
 from tokenmill.benchmarks.measure import run_engine, warm_up_engine
 from tokenmill.benchmarks.workload import DATASETS, WorkloadSpec, build_workload
@@ -23,34 +26,42 @@ from tokenmill.sampling_params import SamplingParams
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+SHUTDOWN_S = 30.0  # how long an engine's process may take to exit after sending its result
 
 
-def in_fresh_process(function: Callable[..., T], *args: Any, timeout_s: float = 600.0) -> T:
-    """``function(*args)`` in a spawned process (not a daemon: it starts the workers of its engine),
-    killed after ``timeout_s``."""
+def in_fresh_process(function: Callable[..., None], *args: Any, timeout_s: float = 600.0) -> Any:
+    """``function(*args)`` in a spawned process (not a daemon: it starts the workers of its engine). Its
+    result is taken as soon as it is sent; the process then has a while to shut its engine down before it
+    is killed (as it is after ``timeout_s`` without a result)."""
     context = multiprocessing.get_context("spawn")
-    results = context.SimpleQueue()
+    results = context.Queue()
     process = context.Process(target=_call_and_put, args=(function, args, results), daemon=False)
     started = time.perf_counter()
     process.start()
-    process.join(timeout_s)
+    try:
+        result = results.get(timeout=timeout_s)
+    except queue.Empty:
+        result = None
+    process.join(SHUTDOWN_S)
     if process.is_alive():
+        logger.warning(
+            "%s: its process did not exit %.0f s after its result; killed", function.__name__, SHUTDOWN_S
+        )
         process.kill()  # its workers exit when their wait for rank 0's next step fails
         process.join()
     seconds = time.perf_counter() - started
-    if process.exitcode != 0 or results.empty():
+    if result is None:
         raise RuntimeError(
             f"{function.__name__} failed after {seconds:.0f} s (exit code {process.exitcode}; its error, if "
             "any, is above)"
         )
     logger.info("%s done in %.0f s", function.__name__, seconds)
-    result: T = results.get()
     return result
 
 
 def _call_and_put(function: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
     log_with_times()
-    results.put(function(*args))
+    function(*args, results.put)
 
 
 def log_with_times() -> None:
@@ -58,10 +69,11 @@ def log_with_times() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(name)s: %(message)s")
 
 
-def _with_engine(config: EngineConfig, use: Callable[[LLMEngine], T]) -> T:
+def _with_engine(config: EngineConfig, use: Callable[[LLMEngine], T], send: Callable[[T], None]) -> None:
+    """Build an engine, ``send`` what ``use`` makes of it, then shut it down."""
     engine = LLMEngine(config)
     try:
-        return use(engine)
+        send(use(engine))
     finally:
         engine.shutdown()
         del engine
@@ -72,7 +84,9 @@ def _with_engine(config: EngineConfig, use: Callable[[LLMEngine], T]) -> T:
 # -- correctness ------------------------------------------------------------------------------------------
 
 
-def greedy_tokens(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy_tokens(
+    config: EngineConfig, prompts: list[list[int]], max_tokens: int, send: Callable[[Any], None]
+) -> None:
     """Every prompt's greedy tokens, the prompts batched together."""
 
     def generate(engine: LLMEngine) -> list[list[int]]:
@@ -85,7 +99,13 @@ def greedy_tokens(config: EngineConfig, prompts: list[list[int]], max_tokens: in
                 outputs[delta.request_id].extend(delta.new_token_ids)
         return [outputs[str(index)] for index in range(len(prompts))]
 
-    return _with_engine(config, generate)
+    _with_engine(config, generate, send)
+
+
+def write_check_folder(preset: str, folder: Path, seed: int, send: Callable[[Any], None]) -> None:
+    """The preset's dummy weights as a float32 HF folder, written once for every size to load."""
+    write_folder(preset, folder, "float32", "cuda", seed)
+    send(str(folder))
 
 
 def random_prompts(
@@ -106,14 +126,16 @@ class DecodeRun:
     startup: str  # the engine's start-up line
 
 
-def decode_latency(config: EngineConfig, input_len: int, output_len: int, iters: int, seed: int) -> DecodeRun:
+def decode_latency(
+    config: EngineConfig, input_len: int, output_len: int, iters: int, seed: int, send: Callable[[Any], None]
+) -> None:
     def measure(engine: LLMEngine) -> DecodeRun:
         prompt = random_prompts(engine.model_config.vocab_size, 1, seed, (input_len, input_len))[0]
         latency = median_latency(lambda: tokenmill_once(engine, prompt, output_len), iters)
         weights = weight_bytes_read_per_token(engine.loaded.model)
         return DecodeRun(latency, weights, uses_custom_all_reduce(), engine.describe_startup())
 
-    return _with_engine(config, measure)
+    _with_engine(config, measure, send)
 
 
 # -- throughput -------------------------------------------------------------------------------------------
@@ -139,7 +161,7 @@ def nano_vllm_spec(num_requests: int) -> WorkloadSpec:
     return WorkloadSpec(num_requests, lengths, lengths, preset.seed, preset.ignore_eos, preset.prompt_source)
 
 
-def throughput(config: EngineConfig, num_requests: int) -> ThroughputRun:
+def throughput(config: EngineConfig, num_requests: int, send: Callable[[Any], None]) -> None:
     def measure(engine: LLMEngine) -> ThroughputRun:
         workload = build_workload(nano_vllm_spec(num_requests), None, engine.model_config.vocab_size)
         warm_up_engine(engine, workload)
@@ -155,4 +177,4 @@ def throughput(config: EngineConfig, num_requests: int) -> ThroughputRun:
             engine.describe_startup(),
         )
 
-    return _with_engine(config, measure)
+    _with_engine(config, measure, send)
