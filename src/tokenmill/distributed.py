@@ -13,6 +13,7 @@ symmetric memory instead of NCCL (:mod:`tokenmill.symmetric_all_reduce`).
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -31,6 +32,7 @@ class _TensorParallelState:
 
 
 _STATE = _TensorParallelState()
+ABORT_TIMEOUT_S = 10.0
 
 
 def init_tensor_parallel(
@@ -44,19 +46,21 @@ def init_tensor_parallel(
     _STATE.world_size, _STATE.rank, _STATE.control = world_size, rank, control
 
 
-def destroy_tensor_parallel() -> None:
-    """Leave the group (every rank at shutdown), so that a later engine in this process starts its own."""
+def destroy_tensor_parallel(graceful: bool = True) -> None:
+    """Leave the group (every rank at shutdown), so that a later engine in this process starts its own.
+    Graceful: every rank leaves together, each having freed its captured graphs first (NCCL's teardown
+    waits for every rank, and for good on a communicator a live graph captured). Not graceful (a rank has
+    died): NCCL communicators are aborted instead, given ``ABORT_TIMEOUT_S`` before they are left to the
+    process's exit."""
     _STATE.small_all_reduce = None  # its buffer goes before the group it was exchanged over
     if _STATE.world_size > 1 and dist.is_initialized():
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if dist.get_backend() == "nccl" and abort is not None:
-            # NCCL's destroy waits until every rank destroys its communicator too, so a rank that has
-            # already exited (or stopped) hangs it: abort the communicators instead, which waits for no
-            # one, after the gloo control group (which has no abort of its own).
-            dist.destroy_process_group(_STATE.control)
-            abort()
-        else:
+        if graceful or dist.get_backend() != "nccl":
             dist.destroy_process_group()
+        else:
+            dist.destroy_process_group(_STATE.control)  # gloo: local
+            aborting = threading.Thread(target=dist.distributed_c10d._abort_process_group, daemon=True)
+            aborting.start()
+            aborting.join(ABORT_TIMEOUT_S)
     _STATE.world_size, _STATE.rank, _STATE.control = 1, 0, None
 
 

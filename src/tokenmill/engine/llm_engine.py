@@ -117,6 +117,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do without them); the engine cannot step after."""
         if self.workers is not None:
+            self.runner.release_graphs()  # NCCL cannot leave a group whose collectives live graphs hold
             self.workers.shutdown()
 
     def warm_up(self) -> WarmStartReport:

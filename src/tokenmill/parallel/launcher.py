@@ -132,7 +132,7 @@ class WorkerGroup:
             for process in self.processes.values():
                 process.join(timeout=5.0)
         self._stop()  # kills what is left: a worker may wait inside a collective that will never complete
-        destroy_tensor_parallel()
+        destroy_tensor_parallel(graceful=False)  # a no-op after the graceful one
 
 
 def _stop_processes(processes: list[_Process]) -> None:

@@ -39,7 +39,7 @@ from tokenmill.parallel.step_broadcast import (
     receive_step_arrays,
     receive_token_ids,
 )
-from tokenmill.runner.graph_runners import GraphRunners, build_graph_runners
+from tokenmill.runner.graph_runners import GraphRunners, build_graph_runners, release_graphs
 from tokenmill.runner.kv_cache import KVCache, create_kv_cache
 from tokenmill.runner.memory_profile import profile_forward
 from tokenmill.runner.step_inputs import attention_metadata, to_device_async
@@ -141,6 +141,7 @@ def serve_steps(shard: Shard) -> None:
         header = receive_header()
         command = header[0]
         if command == Command.SHUTDOWN:
+            release_graphs(shard.graphs)  # before the group is left: see release_graphs
             return
         handler = _HANDLERS.get(command)
         if handler is None:

@@ -18,7 +18,13 @@ from tokenmill.attention import AttentionBackend, ForwardContext, forward_contex
 from tokenmill.models import CausalLM
 from tokenmill.outputs import RowLogprobs
 from tokenmill.runner.cuda_graphs import CaptureReport, DecodeGraphRunner
-from tokenmill.runner.graph_runners import GraphMirror, GraphPlan, build_graph_runners
+from tokenmill.runner.graph_runners import (
+    GraphMirror,
+    GraphPlan,
+    GraphRunners,
+    build_graph_runners,
+    release_graphs,
+)
 from tokenmill.runner.kv_cache import KVCache
 from tokenmill.runner.prefill_graphs import PrefillGraphRunner
 from tokenmill.runner.sampler import (
@@ -127,6 +133,11 @@ class ModelRunner:
         )
         self.decode_graphs, self.graph_capture = runners.decode, runners.decode_capture
         self.prefill_graphs, self.prefill_capture = runners.prefill, runners.prefill_capture
+
+    def release_graphs(self) -> None:
+        """Free the captured graphs (before a tensor-parallel shutdown; no step runs after)."""
+        release_graphs(GraphRunners(self.decode_graphs, self.prefill_graphs))
+        self.decode_graphs = self.prefill_graphs = None
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> PendingStep:
