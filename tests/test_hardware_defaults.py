@@ -1,5 +1,6 @@
 """Fast by default: what auto settings resolve to on a GPU and a CPU; the warm start; the start-up line."""
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -37,7 +38,8 @@ def test_a_gpu_with_triton_gets_the_fast_path_without_flags() -> None:
 
 def test_a_cpu_gets_the_reference_path_with_the_scheduling_features_on() -> None:
     config = resolved(CPU)
-    assert config.kernels.attention_backend == "torch"
+    assert config.kernels.attention_backend == "torch"  # no C compiler: the PyTorch reference
+    assert resolved(dataclasses.replace(CPU, c_kernels=True)).kernels.attention_backend == "cpu"
     assert not any(config.option(name) for name in FUSED_KERNEL_TOGGLES)
     assert config.kernels.programmatic_launch is False
     assert config.graphs.enabled is False and config.graphs.overlap_decode is False
@@ -142,7 +144,8 @@ def test_the_warm_start_runs_mixed_steps_and_chunk_continuations(tiny) -> None: 
 
 
 def test_the_startup_line_says_what_was_resolved(tiny) -> None:  # type: ignore[no-untyped-def]
-    line = engine_for(tiny).describe_startup()
-    assert line.startswith("tokenmill ready on cpu; attention torch; fused kernels none; eager decode;")
+    line = engine_for(tiny, attention_backend="auto").describe_startup()
+    backend = "cpu" if Platform.detect(torch.device("cpu")).c_kernels else "torch"
+    assert line.startswith(f"tokenmill ready on cpu; attention {backend}; fused kernels none; eager decode;")
     assert "prefix caching" in line and "chunked prefill" in line and "max_num_seqs 64" in line
     assert "tokens per step" in line and "started in" in line

@@ -15,7 +15,7 @@ KVCacheMode = Literal["none", "contiguous", "paged"]
 BatchingMode = Literal["sequential", "static", "continuous"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 AdmissionRule = Literal["fit", "headroom", "lookahead"]
-AttentionBackendName = Literal["auto", "torch", "triton"]
+AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
 StructuredOutputBackendName = Literal["llguidance", "xgrammar"]
 SpeculativeMethod = Literal["ngram", "draft_model"]
 QuantizationMethod = Literal["none", "int8", "fp8", "gguf"]
@@ -63,12 +63,8 @@ class KVCacheConfig:
         _require_choice("kv_cache", self.mode, ("none", "contiguous", "paged"))
         _require(self.block_size >= 1, "block_size", "at least 1", self.block_size)
         _require_at_least_one("num_kv_blocks", self.num_blocks)
-        _require(
-            0 < self.gpu_memory_utilization <= 1,
-            "gpu_memory_utilization",
-            "in (0, 1]",
-            self.gpu_memory_utilization,
-        )
+        utilization = self.gpu_memory_utilization
+        _require(0 < utilization <= 1, "gpu_memory_utilization", "in (0, 1]", utilization)
         positive = self.cpu_kv_cache_gib is None or self.cpu_kv_cache_gib > 0
         _require(positive, "cpu_kv_cache_gib", "positive (or None: sized)", self.cpu_kv_cache_gib)
         _require(
@@ -136,10 +132,12 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class KernelConfig:
     """Which implementation each layer binds. ``attention_backend`` ``auto`` and the ``fused_*`` toggles and
-    ``programmatic_launch`` at None (auto): the Triton kernels with CUDA + Triton, PyTorch on CPU; False /
-    ``torch`` = PyTorch; True / ``triton`` = the kernel, refused where it cannot run."""
+    ``programmatic_launch`` at None (auto): the Triton kernels with CUDA + Triton, PyTorch on CPU (with
+    ``cpu`` attention where a C compiler is); False / ``torch`` = PyTorch; True / ``triton`` = the kernel,
+    refused where it cannot run."""
 
-    attention_backend: AttentionBackendName = "auto"  # "triton": paged Triton kernels; "torch": reference
+    # "triton": paged Triton kernels; "cpu": decode steps through one C call a layer; "torch": reference
+    attention_backend: AttentionBackendName = "auto"
     # float32 projections on CPU through oneDNN with each weight reordered once at start (another copy of
     # the weights in memory); other devices and dtypes keep F.linear. See models/layers/cpu_linear.py.
     prepacked_cpu_linear: bool = True
@@ -163,14 +161,14 @@ class KernelConfig:
     programmatic_launch: bool | None = None
 
     def __post_init__(self) -> None:
-        _require_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
+        _require_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton", "cpu"))
         for name in (*FUSED_KERNEL_TOGGLES, "programmatic_launch"):
             value = getattr(self, name)
             _require(value is None or isinstance(value, bool), name, "None (auto), True or False", value)
         _require(
-            not (self.fused_decode_rotary_kv and self.attention_backend == "torch"),
+            not (self.fused_decode_rotary_kv and self.attention_backend in ("torch", "cpu")),
             "fused_decode_rotary_kv",
-            "off when attention_backend is 'torch' (it is part of the Triton decode kernel)",
+            f"off when attention_backend is {self.attention_backend!r} (part of the Triton decode kernel)",
             self.fused_decode_rotary_kv,
         )
 

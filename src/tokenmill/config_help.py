@@ -65,7 +65,9 @@ OPTION_HELP: dict[str, str] = {
     "admission_headroom": "with --admission headroom: the share (0-1) of remaining output kept free",
     # the kernels
     "attention_backend": "torch: reference PyTorch attention (any device); triton: paged Triton kernels "
-    "(a CUDA device, or TRITON_INTERPRET=1); auto: triton with CUDA + Triton, else torch",
+    "(a CUDA device, or TRITON_INTERPRET=1); cpu: the reference, but each decode step's attention (rotary, "
+    "KV write, paged attention) in one C call a layer (float32 on cpu; needs a C compiler); auto: triton "
+    "with CUDA + Triton, cpu on cpu where a C compiler is, else torch",
     "prepacked_cpu_linear": "float32 projections on cpu through oneDNN, each weight reordered once at "
     "start (a second copy of the weights in memory)",
     "fused_rms_norm": "Triton RMSNorm with the residual add fused in; unset: on with CUDA + Triton",

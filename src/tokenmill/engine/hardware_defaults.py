@@ -2,8 +2,9 @@
 
 A user who passes no flags gets, on a CUDA GPU with Triton, the Triton attention backend, the fused
 kernels, CUDA graphs with overlapped decode, and a batch sized for the GPU; on a CPU, the PyTorch
-reference path. Chunked prefill and prefix caching are on wherever they apply. A setting given
-explicitly is kept as given (and refused later where it cannot run).
+reference path, each decode step's attention in one C call a layer where a C compiler is. Chunked
+prefill and prefix caching are on wherever they apply. A setting given explicitly is kept as given (and
+refused later where it cannot run).
 """
 
 import os
@@ -21,6 +22,7 @@ from tokenmill.config import (
     SpeculativeConfig,
 )
 from tokenmill.kernels.options import KernelOptions, kernels_auto_on, pdl_supported
+from tokenmill.native import compiler_available
 
 GPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 64
@@ -37,10 +39,12 @@ class Platform:
     device: torch.device
     triton_kernels: bool  # compiled Triton on a CUDA device (the interpreter does not count: too slow)
     programmatic_launch: bool  # Hopper or later
+    c_kernels: bool = False  # a CPU device and a C compiler for tokenmill.native's kernels
 
     @classmethod
     def detect(cls, device: torch.device) -> "Platform":
-        return cls(device, kernels_auto_on(device), pdl_supported(device))
+        c_kernels = device.type == "cpu" and compiler_available()
+        return cls(device, kernels_auto_on(device), pdl_supported(device), c_kernels)
 
 
 def resolve_config(config: EngineConfig, platform: Platform, max_model_len: int) -> EngineConfig:
@@ -87,9 +91,9 @@ def _resolve_kernels(config: EngineConfig, platform: Platform) -> KernelConfig:
     fast = platform.triton_kernels
     backend = kernels.attention_backend
     if backend == "auto":
-        backend = "triton" if fast else "torch"
+        backend = "triton" if fast else ("cpu" if platform.c_kernels else "torch")
     toggles = {name: fast for name in FUSED_KERNEL_TOGGLES if getattr(kernels, name) is None}
-    if backend == "torch":
+    if backend in ("torch", "cpu"):
         toggles["fused_decode_rotary_kv"] = bool(kernels.fused_decode_rotary_kv)
     pdl = kernels.programmatic_launch
     return replace(

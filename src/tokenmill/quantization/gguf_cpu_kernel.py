@@ -8,30 +8,22 @@ and ``+ offset`` rounds once, as gguf-py does; a fused multiply-add gives the sa
 them into up to four input rows before forming the next 32, so the codes are read once per four rows and
 no float32 weight is ever stored.
 
-Each output element is one dot product whose order (two 16-lane sums over the 32-weight chunks, then a
-fixed pairwise fold) does not depend on the number of input rows, so a row's result does not depend on
-the batch. OpenMP splits output rows across torch's intra-op threads; the library links the
-``libgomp.so.1`` that torch has already loaded, so both share one thread pool.
+Each output element is one dot product whose order (two 16-lane sums over the 32-weight chunks with
+AVX-512, four 8-lane ones with AVX2, then a fixed pairwise fold) does not depend on the number of input
+rows, so a row's result does not depend on the batch. OpenMP splits output rows across torch's intra-op
+threads; the library links the ``libgomp.so.1`` that torch has already loaded, so both share one thread
+pool.
 
-The compiler is the one Inductor uses (``cc``, i.e. ``$CC`` or ``gcc``); the shared object is cached under
-``~/.cache/tokenmill/kernels`` by a hash of its source, flags and the CPU's features. :func:`load_kernel`
-returns None where it cannot be built, and callers fall back to PyTorch.
+It is built by :func:`tokenmill.native.compile_library`; :func:`load_kernel` returns None where it cannot
+be, and callers fall back to PyTorch.
 """
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from tokenmill.native import compile_library
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -40,80 +32,101 @@ _SOURCE = r"""
 #include <omp.h>
 
 #define INLINE static inline __attribute__((always_inline))
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
-typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-/* 16 bytes to 16 floats. GCC 12 turns __builtin_convertvector on byte vectors into scalar conversions,
-   so AVX-512 machines get the two instructions spelled out. */
+/* The vector of LANES floats the loops work in: a zmm register where AVX-512 is, a ymm one elsewhere
+   (GCC lowers a 64-byte vector type on AVX2 through the stack: 20x slower on a 2-core AVX2 machine).
+   A chunk of 32 weights is PARTS vectors. Bytes become floats through the widening instructions spelled
+   out (GCC 12 turns __builtin_convertvector on byte vectors into scalar conversions). */
 #ifdef __AVX512F__
-INLINE v16 unsigned_to_float(u8x16 b) { return (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)b)); }
-INLINE v16 signed_to_float(i8x16 b) { return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)b)); }
+#define LANES 16
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+INLINE __m128i load_lanes(const uint8_t* p) { return _mm_loadu_si128((const __m128i*)p); }
+INLINE vf load_floats(const float* p) { return (vf)_mm512_loadu_ps(p); }
+INLINE vf unsigned_to_float(__m128i b) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+INLINE vf signed_to_float(__m128i b) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
 #else
-#define WIDEN(b) __builtin_convertvector(__builtin_convertvector(b, i32x16), v16)
-INLINE v16 unsigned_to_float(u8x16 b) { return WIDEN(b); }
-INLINE v16 signed_to_float(i8x16 b) { return WIDEN(b); }
+#define LANES 8
+typedef float vf __attribute__((vector_size(32), aligned(4)));
+INLINE __m128i load_lanes(const uint8_t* p) { return _mm_loadl_epi64((const __m128i*)p); }
+INLINE vf load_floats(const float* p) { return (vf)_mm256_loadu_ps(p); }
+INLINE vf unsigned_to_float(__m128i b) { return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+INLINE vf signed_to_float(__m128i b) { return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
 #endif
+#define PARTS (32 / LANES)
 
 INLINE float factor(const void* p, int64_t i, int half) {
     return half ? _cvtsh_ss(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
 
-/* One output row's weights, bit for bit gguf-py's float32: w = code * scale (+ offset), 16 codes per
+/* One output row's weights, bit for bit gguf-py's float32: w = code * scale (+ offset), LANES codes per
    vector. Inlined with constant format arguments, so that each format gets its own straight-line loop. */
-INLINE v16 affine(v16 codes, float s, float o, const int has_offset) {
-    v16 w = codes * s;
+INLINE vf affine(vf codes, float s, float o, const int has_offset) {
+    vf w = codes * s;
     return has_offset ? w + o : w;
 }
 
-/* Group g of output row `row` as 16-value vectors (two for groups of 32). */
+/* Group g of output row `row` as vectors: 32 / LANES of them for a group of 32, half as many for 16. */
 INLINE void dequantize_group(const uint8_t* codes, const void* scale, const void* offset, int64_t row,
                              int64_t groups, int64_t g, const int group, const int four_bit,
-                             const int half, const int has_offset, v16* parts) {
+                             const int half, const int has_offset, vf* parts) {
     float s = factor(scale, row * groups + g, half);
     float o = has_offset ? factor(offset, row * groups + g, half) : 0.0f;
     if (four_bit) {  /* group 32: value i in the low nibble of byte i, value 16 + i in its high one */
-        u8x16 b = *(const u8x16*)(codes + (row * groups + g) * 16);
-        parts[0] = affine(unsigned_to_float(b & 15), s, o, has_offset);
-        parts[1] = affine(unsigned_to_float(b >> 4), s, o, has_offset);
+        __m128i b = _mm_loadu_si128((const __m128i*)(codes + (row * groups + g) * 16));
+        __m128i low = _mm_and_si128(b, _mm_set1_epi8(15));
+        __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+        parts[0] = affine(unsigned_to_float(low), s, o, has_offset);
+#if LANES == 8
+        parts[1] = affine(unsigned_to_float(_mm_srli_si128(low, 8)), s, o, has_offset);
+        parts[2] = affine(unsigned_to_float(high), s, o, has_offset);
+        parts[3] = affine(unsigned_to_float(_mm_srli_si128(high, 8)), s, o, has_offset);
+#else
+        parts[1] = affine(unsigned_to_float(high), s, o, has_offset);
+#endif
     } else {
-        const i8x16* q = (const i8x16*)(codes + (row * groups + g) * group);
-        parts[0] = affine(signed_to_float(q[0]), s, o, has_offset);
-        if (group == 32) parts[1] = affine(signed_to_float(q[1]), s, o, has_offset);
+        const uint8_t* q = codes + (row * groups + g) * group;
+        #pragma GCC unroll 4
+        for (int p = 0; p < group / LANES; p++)
+            parts[p] = affine(signed_to_float(load_lanes(q + p * LANES)), s, o, has_offset);
     }
 }
 
-/* An input row's dot product with a weight row accumulates in two 16-lane sums (elements k..k+15 and
-   k+16..k+31 of each 32), folded pairwise at the end: the same operations in the same order whether the
-   input row is computed alone or beside three others that share the weights. */
-INLINE void accumulate(v16* a, v16* b, v16 w0, v16 w1, const float* x) {
-    v16 x0, x1;
-    memcpy(&x0, x, 64);
-    memcpy(&x1, x + 16, 64);
-    *a += w0 * x0;
-    *b += w1 * x1;
+/* An input row's dot product with a weight row accumulates in PARTS sums of LANES lanes (lane j of sum
+   p: elements 32c + LANES p + j), folded pairwise at the end: the same operations in the same order
+   whether the input row is computed alone or beside three others that share the weights. */
+INLINE void accumulate(vf* sums, const vf* w, const float* x) {
+    #pragma GCC unroll 4
+    for (int p = 0; p < PARTS; p++) sums[p] += w[p] * load_floats(x + p * LANES);
 }
 
-INLINE float fold(v16 a, v16 b) {
-    a += b;  /* then lanes i += i + 8, i += i + 4, i += i + 2, i += i + 1 */
+INLINE float fold(const vf* sums) {
+    vf a = sums[0];
+#if LANES == 8
+    a = (sums[0] + sums[1]) + (sums[2] + sums[3]);  /* then lanes i += i + 4, i += i + 2, i += i + 1 */
+    a += __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+    a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1);
+    a += __builtin_shufflevector(a, a, 1, 0, 1, 0, 1, 0, 1, 0);
+#else
+    a += sums[1];  /* then lanes i += i + 8, i += i + 4, i += i + 2, i += i + 1 */
     a += __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     a += __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
     a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
     a += __builtin_shufflevector(a, a, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+#endif
     return a[0];
 }
 
-/* The 32 weights [32c, 32c + 32) of output row `row`, in two vectors: one group of 32, or two of 16. */
+/* The 32 weights [32c, 32c + 32) of output row `row`, in PARTS vectors: one group of 32, or two of 16. */
 INLINE void dequantize_chunk(const uint8_t* codes, const void* scale, const void* offset, int64_t row,
                              int64_t K, int64_t c, const int group, const int four_bit, const int half,
-                             const int has_offset, v16* w) {
+                             const int has_offset, vf* w) {
     int64_t groups = K / group;
     if (group == 32) {
         dequantize_group(codes, scale, offset, row, groups, c, 32, four_bit, half, has_offset, w);
     } else {
         dequantize_group(codes, scale, offset, row, groups, 2 * c, 16, four_bit, half, has_offset, w);
-        dequantize_group(codes, scale, offset, row, groups, 2 * c + 1, 16, four_bit, half, has_offset, w + 1);
+        dequantize_group(codes, scale, offset, row, groups, 2 * c + 1, 16, four_bit, half, has_offset,
+                         w + PARTS / 2);
     }
 }
 
@@ -122,12 +135,17 @@ INLINE void dequantize_chunk(const uint8_t* codes, const void* scale, const void
 INLINE void row_dots(const uint8_t* codes, const void* scale, const void* offset, int64_t row,
                      const float* x, int64_t K, const int rows, const int group, const int four_bit,
                      const int half, const int has_offset, float* y, int64_t stride) {
-    v16 a[4] = {{0}}, b[4] = {{0}}, w[2];
+    vf sums[4][PARTS], w[PARTS];
+    #pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+        #pragma GCC unroll 4
+        for (int p = 0; p < PARTS; p++) sums[r][p] = (vf){0};
     for (int64_t c = 0; c < K / 32; c++) {
         dequantize_chunk(codes, scale, offset, row, K, c, group, four_bit, half, has_offset, w);
-        for (int r = 0; r < rows; r++) accumulate(&a[r], &b[r], w[0], w[1], x + r * K + c * 32);
+        #pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) accumulate(sums[r], w, x + r * K + c * 32);
     }
-    for (int r = 0; r < rows; r++) y[r * stride] = fold(a[r], b[r]);
+    for (int r = 0; r < rows; r++) y[r * stride] = fold(sums[r]);
 }
 
 typedef void (*row_fn)(const float*, int64_t, int64_t, const uint8_t*, const void*, const void*, int64_t,
@@ -140,9 +158,12 @@ typedef void (*row_fn)(const float*, int64_t, int64_t, const uint8_t*, const voi
                      const void* offset, int64_t n0, int64_t n1, int64_t N, float* y) {                   \
         for (int64_t n = n0; n < n1; n++) {                                                               \
             int64_t m = 0;                                                                                \
-            for (; m < M; m += (M - m >= 4 ? 4 : 1))                                                      \
-                row_dots(codes, scale, offset, n, x + m * K, K, M - m >= 4 ? 4 : 1, GROUP, FOUR, HALF, OFF,  \
-                         y + m * N + n, N);                                                               \
+            for (; M - m >= 4; m += 4) /* constant row counts: the sums stay in registers */             \
+                row_dots(codes, scale, offset, n, x + m * K, K, 4, GROUP, FOUR, HALF, OFF, y + m * N + n,  \
+                         N);                                                                              \
+            for (; m < M; m++)                                                                            \
+                row_dots(codes, scale, offset, n, x + m * K, K, 1, GROUP, FOUR, HALF, OFF, y + m * N + n,  \
+                         N);                                                                              \
         }                                                                                                 \
     }
 VARIANT(q4_half_off, 32, 1, 1, 1) VARIANT(q4_float_off, 32, 1, 0, 1)
@@ -178,48 +199,12 @@ int gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* codes, cons
 }
 """
 
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-
-
-def _cpu_features() -> str:
-    """What ``-march=native`` compiles for: a cached library must not run on another CPU (a shared home
-    directory across machines), so the CPU's flags are part of its name."""
-    try:
-        with Path("/proc/cpuinfo").open() as info:
-            return next((line for line in info if line.startswith(("flags", "Features"))), platform.machine())
-    except OSError:
-        return platform.machine()
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill" / "kernels"
-
-
-def _build(target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "gguf_linear.c"
-        source.write_text(_SOURCE)
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built)], check=True, capture_output=True)
-        built.replace(target)  # atomic: concurrent builders each install a whole file
-
 
 @cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel (built once per source and flags), or None where it cannot be built."""
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_features()).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"gguf_linear_{digest}.so"
-    try:
-        if not target.is_file():
-            _build(target)
-        library = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", b"") or b""
-        logger.warning("packed GGUF kernel unavailable (%s %s); using PyTorch", error, detail.decode()[-500:])
+    library = compile_library("gguf_linear", _SOURCE)
+    if library is None:
         return None
     library.gguf_linear.restype = ctypes.c_int
     pointer, size, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -1,0 +1,106 @@
+"""The CPU backend's C decode step against the PyTorch reference backend: the same outputs (float32
+rounding), the same keys and values stored in the pool bit for bit, with grouped-query heads, sliding
+windows, rotary on and off (and one without a table: PyTorch applies it first), skipped slots, and
+block tables that scatter the contexts; steps it does not take go to the reference unchanged."""
+
+import pytest
+import torch
+
+from tokenmill.attention import AttentionMetadata, KVCacheLayer, PendingRotary
+from tokenmill.attention.backend import AttentionLayer
+from tokenmill.attention.cpu_backend import CpuAttentionBackend
+from tokenmill.attention.cpu_kernel import load_decode_attention
+from tokenmill.attention.torch_backend import TorchAttentionBackend
+from tokenmill.models.config import RopeConfig
+from tokenmill.models.layers.rotary import RotaryEmbedding
+
+LIBRARY = load_decode_attention()
+pytestmark = pytest.mark.skipif(LIBRARY is None, reason="no C compiler to build the kernel")
+BLOCK = 4
+
+
+def _step(seq_lens: list[int], num_kv_heads: int, head_dim: int, seed: int, skip_row: int | None = None):  # type: ignore[no-untyped-def]
+    """A decode step of ``len(seq_lens)`` sequences over a pool whose blocks are handed out shuffled."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // BLOCK) for n in seq_lens]
+    order = torch.randperm(sum(blocks_per_seq) + 3, generator=generator).tolist()
+    width = max(blocks_per_seq)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    taken = 0
+    for b, count in enumerate(blocks_per_seq):
+        tables[b, :count] = torch.tensor(order[taken : taken + count])
+        taken += count
+    num_blocks = len(order)
+    pool = torch.randn(2, num_blocks, BLOCK, num_kv_heads, head_dim, generator=generator)
+    positions = torch.tensor([n - 1 for n in seq_lens])
+    slots = torch.stack([tables[b, p // BLOCK].long() * BLOCK + p % BLOCK for b, p in enumerate(positions)])
+    if skip_row is not None:
+        slots[skip_row] = -1
+    metadata = AttentionMetadata(
+        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        slot_mapping=slots,
+        block_tables=tables,
+    )
+    return pool, positions, metadata, generator
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "window", "rotary_dim"),
+    [(9, 3, 64, None, 64), (4, 4, 32, None, None), (8, 2, 16, 5, 16), (6, 1, 64, 3, 0)],
+)
+@pytest.mark.parametrize("skip_row", [None, 1])
+def test_decode_step_matches_the_reference(
+    heads: int, kv_heads: int, head_dim: int, window: int | None, rotary_dim: int | None, skip_row: int | None
+) -> None:
+    seq_lens = [1, 7, 13, 30]
+    pool, positions, metadata, generator = _step(
+        seq_lens, kv_heads, head_dim, seed=heads + head_dim, skip_row=skip_row
+    )
+    layer = AttentionLayer(0, heads, kv_heads, head_dim, head_dim**-0.5, window)
+    rows = len(seq_lens)
+    # q | k | v as the views of one fused projection, as the models hand them over
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(rows, -1, head_dim) for t in (q, k, v))
+    rotary = None
+    if rotary_dim:
+        embedding = RotaryEmbedding(rotary_dim, 64, RopeConfig(theta=10000.0))
+        rotary = embedding.pending(positions, head_dim)
+    elif rotary_dim == 0:  # a rotation with no table for a kernel: PyTorch applies it first
+        rotary = PendingRotary(positions, lambda a, b: (a * 2.0, b * 0.5), None)
+    caches = [KVCacheLayer(pool[0].clone(), pool[1].clone()) for _ in range(2)]
+    expected = TorchAttentionBackend().forward(
+        layer, q.clone(), k.clone(), v.clone(), metadata, caches[0], rotary
+    )
+    metadata.derived.clear()
+    assert LIBRARY is not None
+    got = CpuAttentionBackend(LIBRARY).forward(layer, q, k, v, metadata, caches[1], rotary)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[1].key, caches[0].key) and torch.equal(caches[1].value, caches[0].value)
+
+
+def test_steps_it_does_not_take_go_to_the_reference() -> None:
+    """A prefill chunk (several new tokens of one sequence) takes the PyTorch path, with the same result."""
+    pool, _, _, generator = _step([9], 2, 16, seed=3)
+    tables = torch.arange(3, dtype=torch.int32)[None, :]
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+        seq_lens=torch.tensor([9], dtype=torch.int32),
+        max_query_len=5,
+        max_seq_len=9,
+        slot_mapping=torch.arange(4, 9),
+        block_tables=tables,
+    )
+    layer = AttentionLayer(0, 4, 2, 16, 0.25)
+    q, k, v = (torch.randn(5, h, 16, generator=generator) for h in (4, 2, 2))
+    rotary = PendingRotary(torch.arange(4, 9), lambda a, b: (a, b), None)
+    caches = [KVCacheLayer(pool[0].clone(), pool[1].clone()) for _ in range(2)]
+    expected = TorchAttentionBackend().forward(layer, q, k, v, metadata, caches[0], rotary)
+    metadata.derived.clear()
+    assert LIBRARY is not None
+    assert torch.equal(
+        CpuAttentionBackend(LIBRARY).forward(layer, q, k, v, metadata, caches[1], rotary), expected
+    )
