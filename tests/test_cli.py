@@ -135,8 +135,8 @@ def test_every_engine_setting_has_a_description_choices_and_its_default() -> Non
             assert f"default: {'on' if default else 'off'}" in action.help, name
         elif default is not None:
             assert f"default: {default}" in action.help, name
-    assert actions["attention_backend"].choices == ("auto", "torch", "triton")
-    assert "choices: auto, torch, triton; default: auto" in str(actions["attention_backend"].help)
+    assert actions["attention_backend"].choices == ("auto", "torch", "triton", "cpu")
+    assert "choices: auto, torch, triton, cpu; default: auto" in str(actions["attention_backend"].help)
     assert actions["dtype"].choices == ("auto", *DTYPES)
     assert actions["load_format"].choices == LOAD_FORMATS
 

@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="decode runs per engine and batch (best kept)")
     parser.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=("auto", "torch", "cpu"),
+        help="tokenmill's (default: auto)",
+    )
     parser.add_argument("--no-engine", action="store_true", help="skip the decode runs (layer timings only)")
     parser.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     parser.add_argument("--report-dir", type=Path, default=None, help="write gguf-cpu.md / .json here")
@@ -98,7 +104,11 @@ def _engine(path: Path, quantization: str, args: argparse.Namespace) -> object:
 
     max_len = args.prompt_len + args.new_tokens
     return LLM(
-        str(path), max_model_len=max_len + 16, max_num_seqs=max(args.sequences), quantization=quantization
+        str(path),
+        max_model_len=max_len + 16,
+        max_num_seqs=max(args.sequences),
+        quantization=quantization,
+        attention_backend=args.attention_backend,
     )
 
 
