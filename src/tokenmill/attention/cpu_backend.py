@@ -74,8 +74,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             arrays.seq_lens.data_ptr(), layer.scale, layer.sliding_window or 0, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
-        if status != 0:
+        if status == 1:
             raise ValueError(f"the C decode attention cannot run {num_heads} heads over {layer.num_kv_heads}")
+        if status != 0:
+            raise MemoryError("the C decode attention could not allocate its scratch buffers")
         return out
 
 
