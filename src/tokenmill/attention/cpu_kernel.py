@@ -116,7 +116,8 @@ int decode_attention(const float* q, int64_t q_stride, const float* k, int64_t k
             float total = 0.0f;
             memset(acc, 0, d * sizeof(float));
             for (int64_t start = first - first % block_size; start < len; start += block_size) {
-                const float* values = value_pool + (int64_t)table[start / block_size] * block_size * row_elems;
+                const float* values =
+                    value_pool + (int64_t)table[start / block_size] * block_size * row_elems;
                 int64_t lo = start > first ? start : first;
                 int64_t hi = start + block_size < len ? start + block_size : len;
                 for (int64_t p = lo; p < hi; p++) {
