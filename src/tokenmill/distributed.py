@@ -13,6 +13,7 @@ symmetric memory instead of NCCL (:mod:`tokenmill.symmetric_all_reduce`).
 
 import contextlib
 import dataclasses
+import logging
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.symmetric_all_reduce import SymmetricAllReduce, create_symmetric_all_reduce
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -32,7 +35,7 @@ class _TensorParallelState:
 
 
 _STATE = _TensorParallelState()
-ABORT_TIMEOUT_S = 10.0
+TEARDOWN_TIMEOUT_S = 30.0
 
 
 def init_tensor_parallel(
@@ -50,17 +53,22 @@ def destroy_tensor_parallel(graceful: bool = True) -> None:
     """Leave the group (every rank at shutdown), so that a later engine in this process starts its own.
     Graceful: every rank leaves together, each having freed its captured graphs first (NCCL's teardown
     waits for every rank, and for good on a communicator a live graph captured). Not graceful (a rank has
-    died): NCCL communicators are aborted instead, given ``ABORT_TIMEOUT_S`` before they are left to the
-    process's exit."""
+    died): NCCL communicators are aborted instead. Either NCCL teardown is given ``TEARDOWN_TIMEOUT_S``
+    before it is left to the process's exit, so that a shutdown never hangs on it."""
     _STATE.small_all_reduce = None  # its buffer goes before the group it was exchanged over
     if _STATE.world_size > 1 and dist.is_initialized():
-        if graceful or dist.get_backend() != "nccl":
+        if dist.get_backend() != "nccl":
             dist.destroy_process_group()
         else:
             dist.destroy_process_group(_STATE.control)  # gloo: local
-            aborting = threading.Thread(target=dist.distributed_c10d._abort_process_group, daemon=True)
-            aborting.start()
-            aborting.join(ABORT_TIMEOUT_S)
+            leave = dist.destroy_process_group if graceful else dist.distributed_c10d._abort_process_group
+            leaving = threading.Thread(target=leave, daemon=True)
+            leaving.start()
+            leaving.join(TEARDOWN_TIMEOUT_S)
+            if leaving.is_alive():
+                logger.warning(
+                    "the NCCL communicator did not tear down in %.0f s; left to exit", TEARDOWN_TIMEOUT_S
+                )
     _STATE.world_size, _STATE.rank, _STATE.control = 1, 0, None
 
 
