@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 REAL_MODEL_FIXTURES = frozenset({"smollm2", "gemma3", "smollm2_gguf_path", "gemma3_gguf_path"})
 SLOW_TESTS = frozenset(
     {
+        "test_bench_tensor_parallel.py::test_a_fresh_process_sends_its_result_or_fails_at_once",
         "test_cli.py::test_a_tokenizer_larger_than_the_vocabulary_is_refused",
         "test_cpu_linear.py::test_prepacked_model_matches_transformers",
         "test_cuda_graphs.py::test_decode_through_static_buffers_matches_the_reference_loop",

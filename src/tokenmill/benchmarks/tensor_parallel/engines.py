@@ -38,10 +38,7 @@ def in_fresh_process(function: Callable[..., None], *args: Any, timeout_s: float
     process = context.Process(target=_call_and_put, args=(function, args, results), daemon=False)
     started = time.perf_counter()
     process.start()
-    try:
-        result = results.get(timeout=timeout_s)
-    except queue.Empty:
-        result = None
+    result = _wait_for_result(process, results, started + timeout_s)
     process.join(SHUTDOWN_S)
     if process.is_alive():
         logger.warning(
@@ -57,6 +54,18 @@ def in_fresh_process(function: Callable[..., None], *args: Any, timeout_s: float
         )
     logger.info("%s done in %.0f s", function.__name__, seconds)
     return result
+
+
+def _wait_for_result(process: Any, results: Any, deadline: float) -> Any:
+    """The process's result, or None once it has died without one or the deadline has passed."""
+    while time.perf_counter() < deadline:
+        alive = process.is_alive()
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if not alive:
+                return None
+    return None
 
 
 def _call_and_put(function: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
