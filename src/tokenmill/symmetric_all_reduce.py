@@ -59,14 +59,9 @@ class SymmetricAllReduce:
 def create_symmetric_all_reduce(
     group: dist.ProcessGroup, device: torch.device, required: bool
 ) -> SymmetricAllReduce | None:
-    """The symmetric-memory path for ``group`` on ``device``, or None where it cannot be set up (then NCCL
-    does every all-reduce). ``required`` (``custom_all_reduce=True``): a failure is an error, not a
-    fallback. Every rank must call this in step."""
-    if device.type != "cuda":
-        raise ValueError(
-            f"custom_all_reduce needs CUDA devices (symmetric memory between GPUs); the ranks run on "
-            f"{device.type}, where the all-reduces go through gloo"
-        )
+    """The symmetric-memory path for ``group`` on CUDA ``device`` (``start_workers`` refuses the setting on
+    any other), or None where it cannot be set up (then NCCL does every all-reduce). ``required``
+    (``custom_all_reduce=True``): a failure is an error, not a fallback. Every rank calls this in step."""
     try:
         return SymmetricAllReduce(group, device)
     except Exception as error:  # no peer access, no symmetric-memory support in this torch build, ...
