@@ -3,7 +3,8 @@
 # tensor parallelism, then `tokenmill bench tensor-parallel` (one report), then the server under TP=2.
 # Logs and the report go to $OUT (default /tmp/tp-run). Wheels the host lacks (FastAPI, the openai
 # client, ...) are installed from .whl/ first when it is there (../shared/device/wheels.sh fetches them).
-#   STAGES="tests bench serve" SECTIONS=correctness,all-reduce,latency,throughput bash scripts/gpu/tensor_parallel.sh
+#   STAGES="tests bench serve" SECTIONS=correctness,all-reduce,latency,throughput BENCH_ARGS="--iters 3" \
+#       bash scripts/gpu/tensor_parallel.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/tp-run}
@@ -36,7 +37,7 @@ for name in $STAGES; do
         tests) stage tests "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider \
                    -o faulthandler_timeout=120 tests/test_tensor_parallel_gpu.py ;;
         bench) stage bench "${BENCH_TIMEOUT:-420}" python3 -m tokenmill.cli bench tensor-parallel \
-                   --sections "$SECTIONS" --report-dir "$OUT" ;;
+                   --sections "$SECTIONS" --report-dir "$OUT" ${BENCH_ARGS:-} ;;
         serve) stage serve "${SERVE_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider \
                    tests/test_serve_tensor_parallel.py -k cuda ;;
     esac

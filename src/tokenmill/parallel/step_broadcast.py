@@ -49,6 +49,7 @@ class Command(enum.IntEnum):
     DECODE_GRAPH = 6  # a decode step of this many padded rows, through the decode graph runner
     START_NEXT = 7  # an overlapped decode step, fed the tokens rank 0 sampled
     PREFILL_GRAPH = 8  # one sequence's prefill in this token bucket, through the prefill graph runner
+    PROFILE = 9  # start (1) or stop (0) the profiler; the trace directory follows as bytes
 
 
 class StepSender:
@@ -91,6 +92,16 @@ class StepSender:
         header[:2] = [Command.SETUP, max_model_len]
         _broadcast_header(header)
 
+    def profile(self, start: bool, directory: str) -> None:
+        """Start or stop every worker's profiler; returns once they have started, or written their traces
+        to ``directory``."""
+        encoded = directory.encode()
+        header = [0] * HEADER_LEN
+        header[:3] = [Command.PROFILE, int(start), len(encoded)]
+        _broadcast_header(header)
+        dist.broadcast(torch.frombuffer(bytearray(encoded), dtype=torch.uint8), 0, group=control_group())
+        dist.barrier(group=control_group())
+
     def shutdown(self) -> None:
         header = [0] * HEADER_LEN
         header[0] = Command.SHUTDOWN
@@ -131,6 +142,18 @@ def receive_header() -> list[int]:
     dist.broadcast(header, 0, group=control_group())
     values: list[int] = header.tolist()
     return values
+
+
+def receive_text(header: list[int]) -> str:
+    """The text after a ``PROFILE`` header (its length is the header's third value)."""
+    buffer = torch.empty(header[2], dtype=torch.uint8)
+    dist.broadcast(buffer, 0, group=control_group())
+    return bytes(buffer.tolist()).decode()
+
+
+def profile_done() -> None:
+    """A worker's side of :meth:`StepSender.profile`'s closing barrier."""
+    dist.barrier(group=control_group())
 
 
 def receive_step_arrays(header: list[int]) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ import functools
 import logging
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,12 +34,15 @@ from tokenmill.loading.loader import load_model_for
 from tokenmill.models import CausalLM, ModelConfig
 from tokenmill.parallel.step_broadcast import (
     Command,
+    profile_done,
     receive_graph_plan,
     receive_header,
     receive_hidden,
     receive_step_arrays,
+    receive_text,
     receive_token_ids,
 )
+from tokenmill.profiling import start_profiler, stop_profiler
 from tokenmill.runner.graph_runners import GraphRunners, build_graph_runners, release_graphs
 from tokenmill.runner.kv_cache import KVCache, create_kv_cache
 from tokenmill.runner.memory_profile import profile_forward
@@ -107,6 +111,7 @@ class Shard:
     max_model_len: int
     device: torch.device
     graphs: GraphRunners = dataclasses.field(default_factory=GraphRunners)
+    profiler: torch.profiler.profile | None = None  # while rank 0 profiles
 
     @property
     def dtype(self) -> torch.dtype:
@@ -184,6 +189,16 @@ def _prefill_step(shard: Shard, header: list[int]) -> None:
     shard.graphs.prefill.run_arrays(_host_arrays(header), header[1])
 
 
+def _profile(shard: Shard, header: list[int]) -> None:
+    directory = Path(receive_text(header))
+    if header[1]:
+        shard.profiler = start_profiler(shard.device)
+    elif shard.profiler is not None:
+        stop_profiler(shard.profiler, shard.device, directory, dist.get_rank())
+        shard.profiler = None
+    profile_done()
+
+
 def _host_arrays(header: list[int]) -> dict[str, np.ndarray]:
     return {name: array.numpy() for name, array in receive_step_arrays(header).items()}
 
@@ -195,4 +210,5 @@ _HANDLERS: dict[int, Callable[[Shard, list[int]], None]] = {
     Command.DECODE_GRAPH: _decode_step,
     Command.START_NEXT: _start_next_step,
     Command.PREFILL_GRAPH: _prefill_step,
+    Command.PROFILE: _profile,
 }

@@ -3,7 +3,8 @@
 import argparse
 from pathlib import Path
 
-SECTIONS = ("correctness", "latency", "all-reduce", "throughput")
+DEFAULT_SECTIONS = ("correctness", "latency", "all-reduce", "throughput")
+SECTIONS = (*DEFAULT_SECTIONS, "profile")  # profile: a diagnostic, asked for by name
 
 
 def _sizes(text: str) -> list[int]:
@@ -26,6 +27,18 @@ def _sections(text: str) -> list[str]:
     return names
 
 
+def _names(text: str) -> list[str]:
+    from tokenmill.config import EngineConfig  # the config module imports no torch
+
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    for name in names:
+        try:
+            EngineConfig().with_options(**{name: False})
+        except (TypeError, ValueError) as error:
+            raise argparse.ArgumentTypeError(f"--ablate {name}: {error}") from None
+    return names
+
+
 def add_tensor_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.1-8b", help="timed model: a preset with dummy weights")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -33,8 +46,8 @@ def add_tensor_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sections",
         type=_sections,
-        default=list(SECTIONS),
-        help=f"comma-separated parts to run (default: all of {', '.join(SECTIONS)})",
+        default=list(DEFAULT_SECTIONS),
+        help=f"comma-separated parts to run, of {', '.join(SECTIONS)} (default: all but profile)",
     )
     parser.add_argument(
         "--check-model",
@@ -49,6 +62,19 @@ def add_tensor_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=5, help="latency: measured runs (default 5)")
     parser.add_argument(
         "--num-requests", type=int, default=256, help="throughput: nano-vllm's workload (default 256)"
+    )
+    parser.add_argument(
+        "--ablate",
+        type=_names,
+        default=[],
+        help="latency: also run every size with each of these comma-separated on/off settings of the "
+        "engine config off, one at a time (e.g. programmatic_launch,overlap_decode)",
+    )
+    parser.add_argument(
+        "--profile-tokens",
+        type=int,
+        default=64,
+        help="profile: tokens decoded under the profiler (default 64)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-dir", type=Path, default=None, help="also write tensor-parallel.md here")

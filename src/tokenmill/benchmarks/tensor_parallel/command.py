@@ -9,7 +9,9 @@
   symmetric-memory all-reduce and with NCCL alone), with the bytes each rank reads per token over its
   time as a share of the copy bandwidth measured on one GPU;
 - throughput: nano-vllm's offline workload at each size, every rank's KV pool sized by its own memory
-  profile.
+  profile;
+- profile (only when named): one batch-1 generation at each size under the torch profiler on every rank,
+  its GPU time per token by kernel kind and idle gap, and the ranks' traces beside the report.
 
 Each engine runs in a fresh process. Dummy weights are each rank's own random shard: the shapes and
 timings of the real model, not its tokens (the correctness section loads real files).
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from tokenmill.benchmarks.common import run_as_script
+from tokenmill.benchmarks.kernel_profile import profile_tables
 from tokenmill.benchmarks.latency import measure_copy_bandwidth
 from tokenmill.benchmarks.report import detect_hardware, fmt_bytes, markdown_table, provenance_header
 from tokenmill.benchmarks.tensor_parallel.all_reduce import CollectiveTiming, measure_collectives
@@ -38,6 +41,7 @@ from tokenmill.benchmarks.tensor_parallel.engines import (
     greedy_tokens,
     in_fresh_process,
     log_with_times,
+    profiled_decode,
     random_prompts,
     throughput,
     write_check_folder,
@@ -160,9 +164,10 @@ def decode(args: argparse.Namespace, preset: dict[str, Any]) -> list[str]:
     blocks = -(-max_model_len // EngineConfig().kv.block_size)  # one sequence's pool: no memory profile
     runs: list[tuple[int, str, DecodeRun]] = []
     for size in args.sizes:
-        variants = (
-            [("default", {})] if size == 1 else [("default", {}), ("NCCL only", {"custom_all_reduce": False})]
-        )
+        variants: list[tuple[str, dict[str, Any]]] = [("default", {})]
+        if size > 1:
+            variants.append(("NCCL only", {"custom_all_reduce": False}))
+        variants += [(f"{name} off", {name: False}) for name in args.ablate]
         for name, options in variants:
             config = engine_config(args, size, max_model_len, num_kv_blocks=blocks, **options)
             run = in_fresh_process(
@@ -174,7 +179,7 @@ def decode(args: argparse.Namespace, preset: dict[str, Any]) -> list[str]:
     context = args.input_len + args.output_len // 2
     base = runs[0][2].latency.decode_s_per_token
     rows = []
-    for size, _variant, run in runs:
+    for size, variant, run in runs:
         kv_heads = max(1, preset["num_key_value_heads"] // size)
         head_dim = preset.get("head_dim") or preset["hidden_size"] // preset["num_attention_heads"]
         kv = kv_bytes_per_token(preset["num_hidden_layers"], kv_heads, head_dim, getattr(torch, args.dtype))
@@ -184,6 +189,7 @@ def decode(args: argparse.Namespace, preset: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 str(size),
+                variant,
                 path,
                 f"{run.latency.prefill_s * 1e3:.1f}",
                 f"{seconds * 1e3:.2f}",
@@ -195,6 +201,7 @@ def decode(args: argparse.Namespace, preset: dict[str, Any]) -> list[str]:
         )
     headers = [
         "size",
+        "variant",
         "all-reduce",
         "prefill ms",
         "decode ms/token",
@@ -250,6 +257,29 @@ def offline_throughput(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def kernel_profile(args: argparse.Namespace) -> list[str]:
+    """Batch-1 decode under the profiler at each size (its traces go to the report directory)."""
+    max_model_len = args.input_len + args.profile_tokens
+    blocks = -(-max_model_len // EngineConfig().kv.block_size)
+    lines = [
+        f"## Kernel profile of batch-1 decode ({args.model}, dummy weights, {args.dtype}; "
+        f"{args.input_len}-token prompt, {args.profile_tokens} tokens, the prefill included)",
+        "",
+    ]
+    for size in args.sizes:
+        directory = (args.report_dir or Path(tempfile.mkdtemp())) / f"profile-tp{size}"
+        config = engine_config(args, size, max_model_len, num_kv_blocks=blocks)
+        found = in_fresh_process(
+            profiled_decode, config, args.input_len, args.profile_tokens, directory, args.seed, timeout_s=300
+        )
+        seconds = found.latency.decode_s_per_token
+        label = f"TP={size}: {1 / seconds:.1f} tok/s under the profiler ({seconds * 1e6:.0f} µs a token)"
+        lines += profile_tables(found.summaries, args.profile_tokens, label)
+        lines.append(f"Traces: {', '.join(found.traces)}")
+        lines.append("")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     log_with_times()
     available = torch.cuda.device_count()
@@ -279,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
             found = collectives(args, preset) if max(args.sizes) > 1 else []
         elif section == "latency":
             found = decode(args, preset)
+        elif section == "profile":
+            found = kernel_profile(args)
         else:
             found = offline_throughput(args)
         lines += found

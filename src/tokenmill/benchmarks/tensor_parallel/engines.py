@@ -16,12 +16,14 @@ from typing import Any, TypeVar
 import torch
 
 from tokenmill.benchmarks.dummy_folder import write_folder
+from tokenmill.benchmarks.kernel_profile import TraceSummary, summarize_trace
 from tokenmill.benchmarks.latency import Latency, median_latency, tokenmill_once, weight_bytes_read_per_token
 from tokenmill.benchmarks.measure import run_engine, warm_up_engine
 from tokenmill.benchmarks.workload import DATASETS, WorkloadSpec, build_workload
 from tokenmill.config import EngineConfig
 from tokenmill.distributed import uses_custom_all_reduce
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.profiling import profile_engine
 from tokenmill.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -185,5 +187,36 @@ def throughput(config: EngineConfig, num_requests: int, send: Callable[[Any], No
             pool,
             engine.describe_startup(),
         )
+
+    _with_engine(config, measure, send)
+
+
+# -- kernel profile ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfiledDecode:
+    latency: Latency
+    summaries: list[TraceSummary]  # rank 0's first
+    traces: list[str]
+
+
+def profiled_decode(
+    config: EngineConfig,
+    input_len: int,
+    output_len: int,
+    directory: Path,
+    seed: int,
+    send: Callable[[Any], None],
+) -> None:
+    """One batch-1 generation under the profiler on every rank, after one unprofiled to warm up."""
+
+    def measure(engine: LLMEngine) -> ProfiledDecode:
+        prompt = random_prompts(engine.model_config.vocab_size, 1, seed, (input_len, input_len))[0]
+        tokenmill_once(engine, prompt, output_len)
+        with profile_engine(engine, directory) as traces:
+            latency = tokenmill_once(engine, prompt, output_len)
+        summaries = [summarize_trace(path, rank) for rank, path in enumerate(traces)]
+        return ProfiledDecode(latency, summaries, [str(path) for path in traces])
 
     _with_engine(config, measure, send)
