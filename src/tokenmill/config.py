@@ -269,6 +269,9 @@ class EngineConfig:
     # Under tensor parallelism on GPUs: small all-reduces (decode steps) through symmetric memory, one
     # kernel reading every rank's buffer, instead of NCCL. None (auto): on where it can be set up.
     custom_all_reduce: bool | None = None
+    # With custom_all_reduce: messages of up to 64 KiB (decode batches of a few rows) pushed into every
+    # rank's buffer with no barrier (tokenmill.kernels.push_all_reduce). None (auto): on with it.
+    push_all_reduce: bool | None = None
     # Before the first request, run synthetic ones through every kernel the engine can hit, so Triton
     # compiles them at start-up, not inside a request. None (auto): on where Triton kernels compile.
     warm_start: bool | None = None

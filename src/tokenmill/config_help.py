@@ -26,6 +26,9 @@ OPTION_HELP: dict[str, str] = {
     "custom_all_reduce": "under tensor parallelism on GPUs, all-reduces of up to 512 KiB (decode steps) "
     "through symmetric memory (one kernel reads every rank's buffer over NVLink) instead of NCCL; unset: "
     "on where it can be set up",
+    "push_all_reduce": "with custom_all_reduce, all-reduces of up to 64 KiB (decode batches of a few rows) "
+    "written into every rank's buffer with no barrier, each value announcing its own arrival; unset: on "
+    "with custom_all_reduce",
     "debug_checks": "check the block allocator and the prefix tree after every step (slow)",
     "structured_output_backend": "grammar engine of structured outputs (JSON schema, regex, choice, "
     "grammar): llguidance, or xgrammar (pip install 'tokenmill[xgrammar]')",

@@ -72,18 +72,27 @@ def destroy_tensor_parallel(graceful: bool = True) -> None:
     _STATE.world_size, _STATE.rank, _STATE.control = 1, 0, None
 
 
-def set_up_all_reduce(custom: bool | None, device: torch.device) -> None:
+def set_up_all_reduce(
+    custom: bool | None, push: bool | None, device: torch.device, dtype: torch.dtype, pdl: bool
+) -> None:
     """Every rank, in step, before the model's first collective: route the all-reduces that fit through
-    symmetric memory when ``custom`` (None: on GPUs where it can be set up), else all through NCCL / gloo."""
+    symmetric memory when ``custom`` (None: on GPUs where it can be set up), the smallest of them through
+    the push kernel unless ``push`` is False, else all through NCCL / gloo."""
     _STATE.small_all_reduce = None
     if _STATE.world_size == 1 or custom is False or (custom is None and device.type != "cuda"):
         return
     assert dist.group.WORLD is not None
-    _STATE.small_all_reduce = create_symmetric_all_reduce(dist.group.WORLD, device, required=custom is True)
+    _STATE.small_all_reduce = create_symmetric_all_reduce(
+        dist.group.WORLD, device, custom is True, dtype, push is not False, pdl
+    )
 
 
 def uses_custom_all_reduce() -> bool:
     return _STATE.small_all_reduce is not None
+
+
+def uses_push_all_reduce() -> bool:
+    return _STATE.small_all_reduce is not None and _STATE.small_all_reduce.push_capacity > 0
 
 
 def tp_world_size() -> int:
@@ -138,9 +147,11 @@ def all_gather_last_dim(x: torch.Tensor, world_size: int) -> torch.Tensor:
     """The ranks' ``x`` side by side along the last dimension (1: ``x``, no collective)."""
     if world_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    gathered = x.new_empty((world_size * x.shape[0], *x.shape[1:]))  # one buffer, no per-rank parts
+    dist.all_gather_into_tensor(gathered, x.contiguous())
+    gathered = gathered.view(world_size, *x.shape)
+    # [ranks, ..., part] -> [..., ranks * part]: a view for one row (batch-1 decode), a copy otherwise
+    return gathered.movedim(0, -2).reshape(*x.shape[:-1], world_size * x.shape[-1])
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

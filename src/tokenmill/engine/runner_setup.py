@@ -46,7 +46,7 @@ def build_runner(
         kv_cache = create_kv_cache(config, model_config, max_model_len, device, dtype, profile)
     else:
         workers.sender.setup(max_model_len)  # each worker now does what this rank does, in step
-        set_up_all_reduce(config.custom_all_reduce, device)
+        set_up_all_reduce(config.custom_all_reduce, config.push_all_reduce, device, dtype, options.pdl)
         rank_config = per_rank_model_config(model_config, workers.world_size)
         agree = functools.partial(min_over_ranks, device=device)
         kv_cache = create_kv_cache(config, rank_config, max_model_len, device, dtype, profile, agree)

@@ -5,12 +5,12 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed import uses_custom_all_reduce
+from tokenmill.distributed import uses_custom_all_reduce, uses_push_all_reduce
 from tokenmill.engine.warm_start import WarmStartReport
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.runner.cuda_graphs import CaptureReport
 from tokenmill.runner.kv_cache import KVCache
-from tokenmill.symmetric_all_reduce import DEFAULT_MAX_BYTES
+from tokenmill.symmetric_all_reduce import DEFAULT_MAX_BYTES, PUSH_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ def _tensor_parallel(size: int) -> str:
     if size == 1:
         return ""
     small = f"symmetric memory up to {DEFAULT_MAX_BYTES // 1024} KiB, NCCL above"
+    if uses_push_all_reduce():
+        small = f"the push kernel up to {PUSH_MAX_BYTES // 1024} KiB, " + small
     path = small if uses_custom_all_reduce() else "the process group"
     return f" and {size - 1} worker rank(s), all-reduces through {path}"
 

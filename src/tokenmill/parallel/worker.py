@@ -131,7 +131,7 @@ def _build_shard(config: EngineConfig, device: torch.device) -> Shard:
     model: CausalLM = loaded.model.with_kernels(options)
     backend = create_attention_backend(resolved.kernels, device, options.pdl)
     dtype = next(model.parameters()).dtype
-    set_up_all_reduce(resolved.custom_all_reduce, device)
+    set_up_all_reduce(resolved.custom_all_reduce, resolved.push_all_reduce, device, dtype, options.pdl)
     kv_config = per_rank_model_config(loaded.config, dist.get_world_size())
     profile = functools.partial(profile_forward, model, backend, None)
     agree = functools.partial(min_over_ranks, device=device)
@@ -168,7 +168,14 @@ def _logits(shard: Shard, header: list[int]) -> None:
 
 def _set_up_graphs(shard: Shard, header: list[int]) -> None:
     plan = receive_graph_plan(header, shard.device)
-    shard.graphs = build_graph_runners(plan, shard.model, shard.backend, shard.kv, shard.max_model_len)
+    shard.graphs = build_graph_runners(
+        plan, shard.model, shard.backend, shard.kv, shard.max_model_len, argmax=_no_argmax
+    )
+
+
+def _no_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """A worker's graphs compute no argmax of the logits they gather: rank 0 alone picks the tokens."""
+    return logits[..., :0]
 
 
 def _decode_step(shard: Shard, header: list[int]) -> None:

@@ -63,15 +63,22 @@ def _rank_main(rank: int, spec: tuple[int, int, list[int], int, str], results: A
     init_tensor_parallel("nccl", store, rank, world_size, _TIMEOUT, _TIMEOUT)
     try:
         dist.all_reduce(torch.ones(1, device=device))  # the communicator, before anything is captured
-        symmetric = create_symmetric_all_reduce(dist.group.WORLD, device, required=False)  # type: ignore[arg-type]
+        group = dist.group.WORLD
+        assert group is not None
+        symmetric = create_symmetric_all_reduce(group, device, False, dtype, push=True, pdl=False)
         rows = []
         for nbytes in all_reduce_bytes:
             x = _random_rows(nbytes, dtype, device, seed=rank)
             rows.append(_timing("all-reduce", "NCCL", x.clone(), _nccl_all_reduce, None))
-            if symmetric is not None and symmetric.fits(x):
-                reference = _nccl_all_reduce(x.clone())
-                error = (symmetric(x).float() - reference.float()).abs().max().item()
-                rows.append(_timing("all-reduce", "symmetric memory", x, symmetric, error))
+            if symmetric is None or not symmetric.fits(x):
+                continue
+            reference = _nccl_all_reduce(x.clone())
+            paths = [("symmetric memory", symmetric.one_shot)]
+            if x.numel() <= symmetric.push_capacity:
+                paths.append(("push", symmetric.push))
+            for path, run in paths:
+                error = (run(x).float() - reference.float()).abs().max().item()
+                rows.append(_timing("all-reduce", path, x, run, error))
         logits = _random_rows(all_gather_bytes, torch.float32, device, seed=rank)
         gather = _timing("all-gather", "NCCL", logits, lambda t: all_gather_last_dim(t, world_size), None)
         rows.append(gather)

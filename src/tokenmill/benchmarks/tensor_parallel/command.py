@@ -147,7 +147,7 @@ def _per_token(
     graph = {(t.collective, t.path, t.nbytes): t.graph_us for t in timings}
     gather_us = graph[("all-gather", "NCCL", gather)]
     lines = []
-    for path in ("NCCL", "symmetric memory"):
+    for path in ("NCCL", "symmetric memory", "push"):
         one = graph.get(("all-reduce", path, row_bytes))
         if one is not None:
             total = count * one + gather_us
