@@ -36,6 +36,9 @@ class _TensorParallelState:
 
 _STATE = _TensorParallelState()
 TEARDOWN_TIMEOUT_S = 30.0
+# torch numbers its symmetric-memory exchanges per process, not per group: a process that set some up
+# for an earlier group is ahead of a new worker's count, and their next exchange would wait forever.
+_symmetric_memory_used = False
 
 
 def init_tensor_parallel(
@@ -82,9 +85,30 @@ def set_up_all_reduce(
     if _STATE.world_size == 1 or custom is False or (custom is None and device.type != "cuda"):
         return
     assert dist.group.WORLD is not None
+    if not _first_symmetric_memory(custom is True, device):
+        return
     _STATE.small_all_reduce = create_symmetric_all_reduce(
         dist.group.WORLD, device, custom is True, dtype, push is not False, pdl
     )
+
+
+def _first_symmetric_memory(required: bool, device: torch.device) -> bool:
+    """Whether no rank's process has set up symmetric memory before (for an earlier engine): only then
+    can the ranks set it up together. Otherwise NCCL does every all-reduce (``required``: an error)."""
+    global _symmetric_memory_used
+    if min_over_ranks(int(not _symmetric_memory_used), device) == 0:
+        if required:
+            raise RuntimeError(
+                "custom_all_reduce: symmetric memory is set up once per process (torch numbers its "
+                "exchanges per process), and this process did for an earlier tensor-parallel engine; "
+                "build this one in a new process, or leave custom_all_reduce unset (NCCL is then used)"
+            )
+        logger.warning(
+            "an earlier engine of this process set up symmetric memory: NCCL does every all-reduce"
+        )
+        return False
+    _symmetric_memory_used = True
+    return True
 
 
 def uses_custom_all_reduce() -> bool:
