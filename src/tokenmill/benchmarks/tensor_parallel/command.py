@@ -185,12 +185,11 @@ def decode(args: argparse.Namespace, preset: dict[str, Any]) -> list[str]:
         kv = kv_bytes_per_token(preset["num_hidden_layers"], kv_heads, head_dim, getattr(torch, args.dtype))
         per_rank = run.weight_bytes_per_rank + kv * context
         seconds = run.latency.decode_s_per_token
-        path = "symmetric memory + NCCL" if run.custom_all_reduce else ("NCCL" if size > 1 else "-")
         rows.append(
             [
                 str(size),
                 variant,
-                path,
+                run.all_reduce,
                 f"{run.latency.prefill_s * 1e3:.1f}",
                 f"{seconds * 1e3:.2f}",
                 f"{1 / seconds:.1f}",

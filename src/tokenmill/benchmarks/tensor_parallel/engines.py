@@ -21,7 +21,7 @@ from tokenmill.benchmarks.latency import Latency, median_latency, tokenmill_once
 from tokenmill.benchmarks.measure import run_engine, warm_up_engine
 from tokenmill.benchmarks.workload import DATASETS, WorkloadSpec, build_workload
 from tokenmill.config import EngineConfig
-from tokenmill.distributed import uses_custom_all_reduce
+from tokenmill.distributed import uses_custom_all_reduce, uses_push_all_reduce
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.profiling import profile_engine
 from tokenmill.sampling_params import SamplingParams
@@ -133,7 +133,7 @@ def random_prompts(
 class DecodeRun:
     latency: Latency
     weight_bytes_per_rank: int  # rank 0's shard, read once per decode step
-    custom_all_reduce: bool  # whether the symmetric-memory path was set up
+    all_reduce: str  # the paths the all-reduces took, smallest messages first
     startup: str  # the engine's start-up line
 
 
@@ -144,9 +144,17 @@ def decode_latency(
         prompt = random_prompts(engine.model_config.vocab_size, 1, seed, (input_len, input_len))[0]
         latency = median_latency(lambda: tokenmill_once(engine, prompt, output_len), iters)
         weights = weight_bytes_read_per_token(engine.loaded.model)
-        return DecodeRun(latency, weights, uses_custom_all_reduce(), engine.describe_startup())
+        return DecodeRun(latency, weights, _all_reduce_paths(engine), engine.describe_startup())
 
     _with_engine(config, measure, send)
+
+
+def _all_reduce_paths(engine: LLMEngine) -> str:
+    if engine.workers is None:
+        return "-"
+    if not uses_custom_all_reduce():
+        return "NCCL"
+    return ("push + " if uses_push_all_reduce() else "") + "symmetric memory + NCCL"
 
 
 # -- throughput -------------------------------------------------------------------------------------------
