@@ -163,9 +163,15 @@ def test_min_over_ranks_gives_every_rank_the_smallest_value() -> None:
     assert sorted(found.get() for _ in ranks) == [(0, 300), (1, 300), (2, 300)]
 
 
-def test_custom_all_reduce_on_cpu_is_a_clear_error(folders: dict[str, Path]) -> None:
-    with pytest.raises(ValueError, match="custom_all_reduce needs CUDA devices"):
-        _engine(str(folders["llama3"]), 2, custom_all_reduce=True)
+@pytest.mark.parametrize("name", ["custom_all_reduce", "push_all_reduce"])
+def test_symmetric_all_reduces_on_cpu_are_a_clear_error(folders: dict[str, Path], name: str) -> None:
+    with pytest.raises(ValueError, match=f"{name} needs CUDA devices"):
+        _engine(str(folders["llama3"]), 2, **{name: True})
+
+
+def test_push_all_reduce_without_custom_all_reduce_is_refused() -> None:
+    with pytest.raises(ValueError, match="push_all_reduce"):
+        EngineConfig().with_options(push_all_reduce=True, custom_all_reduce=False)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("tokenmill-tp")]
 
 

@@ -314,6 +314,12 @@ class EngineConfig:
             self.graphs.enabled,
         )
         _require(
+            not (self.push_all_reduce and self.custom_all_reduce is False),
+            "push_all_reduce",
+            "off when custom_all_reduce is off (the push kernel is part of the symmetric-memory path)",
+            self.push_all_reduce,
+        )
+        _require(
             not (self.graphs.enabled and self.kv.mode == "none"),
             "cuda_graphs",
             "off when kv_cache is 'none' (without a cache no step is a one-token decode)",

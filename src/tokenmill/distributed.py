@@ -88,7 +88,7 @@ def set_up_all_reduce(
     if not _first_symmetric_memory(custom is True, device):
         return
     _STATE.small_all_reduce = create_symmetric_all_reduce(
-        dist.group.WORLD, device, custom is True, dtype, push is not False, pdl
+        dist.group.WORLD, device, custom is True, dtype, push, pdl
     )
 
 

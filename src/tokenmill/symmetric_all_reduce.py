@@ -121,14 +121,19 @@ def create_symmetric_all_reduce(
     device: torch.device,
     required: bool,
     dtype: torch.dtype,
-    push: bool = True,
+    push: bool | None = None,
     pdl: bool = False,
 ) -> SymmetricAllReduce | None:
     """The symmetric-memory path for ``group`` on CUDA ``device`` (``start_workers`` refuses the setting on
     any other), or None where it cannot be set up (then NCCL does every all-reduce). ``required``
-    (``custom_all_reduce=True``): a failure is an error, not a fallback. Every rank calls this in step."""
+    (``custom_all_reduce=True``): a failure is an error, not a fallback; ``push`` (``push_all_reduce``): the
+    push kernel for the smallest messages, None where the ranks are a power of 2, True required. Every
+    rank calls this in step."""
+    world = dist.get_world_size(group)
+    if push is True and not _power_of_2(world):
+        raise ValueError(f"push_all_reduce needs a power-of-2 number of ranks, not {world}")
     try:
-        return SymmetricAllReduce(group, device, dtype, push and _power_of_2(dist.get_world_size(group)), pdl)
+        return SymmetricAllReduce(group, device, dtype, push is not False and _power_of_2(world), pdl)
     except Exception as error:  # no peer access, no symmetric-memory support in this torch build, ...
         if required:
             raise RuntimeError(f"custom_all_reduce: symmetric memory could not be set up: {error}") from error

@@ -20,9 +20,10 @@ def start_workers(config: EngineConfig, device: torch.device, preloaded: bool) -
             "tensor_parallel_size > 1 loads each rank's shard of the model (and the draft model, whole on "
             "rank 0) itself: pass them by name (model, speculative_model), not already loaded"
         )
-    if config.custom_all_reduce and device.type != "cuda":
-        raise ValueError(
-            f"custom_all_reduce needs CUDA devices (symmetric memory between GPUs), not {device.type}: "
-            "leave it unset or off (the ranks' all-reduces then go through gloo)"
-        )
+    for name in ("custom_all_reduce", "push_all_reduce"):
+        if getattr(config, name) and device.type != "cuda":
+            raise ValueError(
+                f"{name} needs CUDA devices (symmetric memory between GPUs), not {device.type}: "
+                "leave it unset or off (the ranks' all-reduces then go through gloo)"
+            )
     return WorkerGroup(config, device)
