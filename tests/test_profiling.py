@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tiny_models import save_tiny_model
-from tokenmill.benchmarks.kernel_profile import Kernel, kind_of, summarize
+from tokenmill.benchmarks.kernel_profile import Kernel, kind_of, profile_tables, summarize
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.profiling import profile_engine
@@ -109,3 +109,30 @@ def test_busy_time_and_gaps_match_a_brute_force_count() -> None:
 )
 def test_kernel_kinds_follow_their_names(name: str, kind: str) -> None:
     assert kind_of(name) == kind
+
+
+def test_profile_tables_give_each_rank_its_time_per_token() -> None:
+    steps = 4
+    ranks = [
+        summarize(
+            [
+                Kernel("_gemv_kernel", 0.0, 100.0 + rank),
+                Kernel("_push_all_reduce_kernel", 110.0, 6.0),
+                Kernel("_gemv_kernel", 200.0, 100.0),
+            ],
+            rank,
+        )
+        for rank in range(2)
+    ]
+    text = "\n".join(profile_tables(ranks, steps, "TP=2"))
+    assert "| rank 0 µs/token | rank 1 µs/token |" in text.replace("  ", " ").replace("  ", " ")
+    rows = {
+        line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+        for line in text.splitlines()
+        if line.startswith("| ")
+    }
+    assert rows["window (first kernel to last)"] == ["75", "75"]  # 300 µs over 4 tokens
+    assert rows["kernels: GEMV / GEMM"] == ["50 (0.5 calls)", "50 (0.5 calls)"]  # 200 (rank 0), 201 (rank 1)
+    assert rows["kernels: all-reduce"] == ["2 (0.2 calls)", "2 (0.2 calls)"]
+    assert rows["idle gaps > 50 µs"] == ["21", "21"]  # 84 µs (116 -> 200) over 4 tokens
+    assert rows["median all-reduce kernel (µs, not per token)"] == ["6.0", "6.0"]

@@ -132,7 +132,11 @@ def profile_tables(summaries: Sequence[TraceSummary], steps: int, label: str) ->
         rows.append([f"idle gaps {bucket}", *[f"{s.gaps[bucket] / steps:.0f}" for s in summaries]])
     medians = [f"{s.collective_median_us:.1f}" if s.collective_median_us else "-" for s in summaries]
     rows.append(["median all-reduce kernel (µs, not per token)", *medians])
-    lines = [f"### {label}", "", markdown_table(["", *ranks], rows), ""]
+    note = (
+        "Kernel times are summed per kind: kernels that overlap (programmatic launch starts one while the "
+        "one before it finishes) count in full, so the sums can exceed the window."
+    )
+    lines = [f"### {label}", "", markdown_table(["", *ranks], rows), "", note, ""]
     for summary in summaries:
         top = [[name[:90], str(count), f"{total / steps:.1f}"] for name, count, total in summary.top]
         lines += [
@@ -148,4 +152,4 @@ def _per_step(entry: tuple[int, float] | None, steps: int) -> str:
     if entry is None:
         return "-"
     count, total = entry
-    return f"{total / steps:.0f} ({count / steps:.0f} calls)"
+    return f"{total / steps:.0f} ({count / steps:.1f} calls)"
