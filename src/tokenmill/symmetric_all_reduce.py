@@ -75,7 +75,7 @@ class SymmetricAllReduce:
         self.push_timed_out = torch.zeros(1, dtype=torch.int32, device=device)
         self.rank = rank
         torch.cuda.synchronize(device)
-        dist.barrier(group, device_ids=[device.index or 0])
+        dist.barrier(group)
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through this path (else NCCL): small, contiguous, a dtype the kernel sums,
