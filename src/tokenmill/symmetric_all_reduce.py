@@ -63,8 +63,9 @@ class SymmetricAllReduce:
         rank pushes before every rank has emptied its buffer (the barrier)."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        from tokenmill.kernels.push_all_reduce import BLOCK, sentinel_bits  # Triton: GPUs only
+        from tokenmill.kernels.push_all_reduce import BLOCK, push_all_reduce, sentinel_bits  # Triton: GPUs
 
+        self._push_kernel = push_all_reduce
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         bits, sentinel = sentinel_bits(dtype)
         self.push_buffer = symm_mem.empty((2, world, self.push_capacity), dtype=bits, device=device)
@@ -96,9 +97,7 @@ class SymmetricAllReduce:
 
     def push(self, x: torch.Tensor) -> torch.Tensor:
         """The sum through the push kernel (``x``: the model's dtype, within its capacity)."""
-        from tokenmill.kernels.push_all_reduce import push_all_reduce
-
-        return push_all_reduce(
+        return self._push_kernel(
             x,
             self.push_pointers,
             self.push_phases,

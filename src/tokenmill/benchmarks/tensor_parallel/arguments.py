@@ -3,6 +3,8 @@
 import argparse
 from pathlib import Path
 
+from tokenmill.config import EngineConfig  # imports no torch
+
 DEFAULT_SECTIONS = ("correctness", "latency", "all-reduce", "throughput")
 SECTIONS = (*DEFAULT_SECTIONS, "profile")  # profile: a diagnostic, asked for by name
 
@@ -28,8 +30,6 @@ def _sections(text: str) -> list[str]:
 
 
 def _names(text: str) -> list[str]:
-    from tokenmill.config import EngineConfig  # the config module imports no torch
-
     names = [part.strip() for part in text.split(",") if part.strip()]
     for name in names:
         try:
