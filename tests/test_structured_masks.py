@@ -229,7 +229,7 @@ def test_masks_filled_ahead_equal_masks_filled_in_the_step(backend: GrammarBacke
 
     staging.fill_ahead(matchers)
     moved, fresh = matchers[1], grammars[0].matcher()
-    staging.before_advance(moved)
+    staging.before_advance([moved])
     assert moved.accept_token(next(iter(allowed(backend, moved))))
     step: list[GrammarMatcher | None] = [matchers[4], None, moved, fresh, matchers[0], None, matchers[2]]
     assert torch.equal(staging.fill(step), reference(step))

@@ -17,6 +17,7 @@ from collections.abc import Sequence as SequenceOf
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.grammar_steps import advance_grammars, fill_masks_ahead
 from tokenmill.engine.hardware_defaults import Platform, resolve_config, resolve_device
 from tokenmill.engine.input_checks import (
     InvalidRequestError,
@@ -284,24 +285,24 @@ class LLMEngine:
         deltas, self._pending = self._pending, []
         sampled = self.scheduler.update(scheduled, result)
         remaining = collections.Counter(seq for seq, _, _ in sampled)  # tokens of each still to come
+        constrained = [(seq, token) for seq, token, _ in sampled if seq.grammar is not None]
+        one_each = len(constrained) == len({seq for seq, _ in constrained})
+        if constrained and one_each:  # every matcher moves at once; their next masks fill meanwhile
+            advance_grammars(self.structured_outputs, self.scheduler, constrained)
+            self._fill_masks_ahead()
         cut: set[Sequence] = set()  # sequences a stop string ended before their last token of this step
-        advanced = False
         for seq, token, logprobs in sampled:
             remaining[seq] -= 1
             if seq in cut:
                 continue
-            if seq.grammar is not None:
-                self._advance_grammar(seq, token)
-                advanced = True
+            if seq.grammar is not None and not one_each:
+                advance_grammars(self.structured_outputs, self.scheduler, [(seq, token)])
             delta, stopped = self._token_delta(seq, token, logprobs, remaining[seq])
             deltas.append(delta)
             if stopped:
                 cut.add(seq)
-        if advanced and self.config.structured_masks_ahead:
-            running = self.scheduler.running
-            self.structured_outputs.fill_ahead(
-                [seq.grammar for seq in running if seq.grammar is not None and not seq.is_finished]
-            )
+        if constrained and not one_each:
+            self._fill_masks_ahead()
         if self.config.debug_checks:
             self.scheduler.check_integrity()
         return self._forget_finished(deltas)
@@ -318,17 +319,11 @@ class LLMEngine:
         cutoff = self.config.speculative.disable_by_batch_size
         return cutoff is not None and len(self.scheduler.running) >= cutoff
 
-    def _advance_grammar(self, seq: Sequence, token: int) -> None:
-        """Move ``seq``'s matcher past ``token``; end the sequence once its grammar is complete. A token the
-        grammar refuses cannot come from its mask, except where nothing was left to sample (every allowed
-        token banned, e.g. EOS by ``min_tokens``): that sequence ends there."""
-        assert seq.grammar is not None
-        if not self.structured_outputs.advance(seq.grammar, token):
-            logger.warning("%s: token %d is outside its grammar; ending it", seq.seq_id, token)
-        elif not seq.grammar.is_terminated():
-            return
-        if not seq.is_finished:
-            self.scheduler.finish(seq, FinishReason.STOP)
+    def _fill_masks_ahead(self) -> None:
+        """Start filling the next masks in the background (``structured_masks_ahead``), while the host
+        turns this step's tokens into text and schedules the next step."""
+        if self.config.structured_masks_ahead:
+            fill_masks_ahead(self.structured_outputs, self.scheduler.running)
 
     def _token_delta(
         self, seq: Sequence, token: int, logprobs: RowLogprobs | None, num_later: int = 0

@@ -126,13 +126,14 @@ class BitmaskStaging:
         started.wait()
         self._ahead = _MasksAhead(list(matchers), host, done)
 
-    def before_advance(self, matcher: GrammarMatcher) -> None:
-        """``matcher`` is about to move: a background fill reading it must end first, and its row filled
-        ahead no longer holds."""
+    def before_advance(self, matchers: Sequence[GrammarMatcher]) -> None:
+        """``matchers`` are about to move: a background fill reading them must end first, and their rows
+        filled ahead no longer hold."""
         ahead = self._ahead
-        if ahead is not None and any(matcher is filled for filled in ahead.matchers):
+        moving = {id(matcher) for matcher in matchers}
+        if ahead is not None and any(id(filled) in moving for filled in ahead.matchers):
             ahead.done.result()
-            ahead.matchers = [m if m is not matcher else _MOVED for m in ahead.matchers]
+            ahead.matchers = [m if id(m) not in moving else _MOVED for m in ahead.matchers]
 
     def _take_ahead(self) -> _MasksAhead | None:
         """The masks filled ahead, once their fill has finished (None when there are none)."""

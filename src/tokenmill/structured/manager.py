@@ -109,11 +109,12 @@ class StructuredOutputs:
         """Start filling the next masks of ``matchers`` in the background, for the next :meth:`bitmask`."""
         self._bitmask_staging().fill_ahead(matchers)
 
-    def advance(self, matcher: GrammarMatcher, token_id: int) -> bool:
-        """Move ``matcher`` past ``token_id`` (False: the grammar refuses it)."""
+    def advance(self, rows: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
+        """Move each ``(matcher, token_id)`` (distinct matchers) past its token, as one batch; False where
+        the grammar refuses it."""
         if self._staging is not None:
-            self._staging.before_advance(matcher)
-        return matcher.accept_token(token_id)
+            self._staging.before_advance([matcher for matcher, _ in rows])
+        return self.backend.accept_tokens(rows)
 
     @property
     def rows_from_ahead(self) -> int:
