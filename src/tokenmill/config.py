@@ -12,6 +12,7 @@ from typing import Any, Literal
 from tokenmill.config_speculative import speculative_options
 
 KVCacheMode = Literal["none", "contiguous", "paged"]
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 BatchingMode = Literal["sequential", "static", "continuous"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 AdmissionRule = Literal["fit", "headroom", "lookahead"]
@@ -58,9 +59,13 @@ class KVCacheConfig:
     cpu_kv_cache_gib: float | None = None
     # Reuse the KV blocks of prompt prefixes seen before (radix tree, LRU). None (auto): on with paged KV.
     prefix_caching: bool | None = None
+    # What the pool stores K and V in (vLLM's kv_cache_dtype): "auto" the model's dtype; "fp8" (or
+    # "fp8_e4m3") float8 e4m3 with a scale of 1, half the bytes of 16-bit K/V read by every decode step.
+    kv_cache_dtype: KVCacheDtype = "auto"
 
     def __post_init__(self) -> None:
         _require_choice("kv_cache", self.mode, ("none", "contiguous", "paged"))
+        _require_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8", "fp8_e4m3"))
         _require(self.block_size >= 1, "block_size", "at least 1", self.block_size)
         _require_at_least_one("num_kv_blocks", self.num_blocks)
         utilization = self.gpu_memory_utilization

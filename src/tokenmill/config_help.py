@@ -51,6 +51,8 @@ OPTION_HELP: dict[str, str] = {
     "max_model_len tokens, at most 2 GiB",
     "prefix_caching": "reuse the KV blocks of prompt prefixes seen before (radix tree, LRU); paged only; "
     "unset: on with paged KV",
+    "kv_cache_dtype": "what the KV pool stores: auto (the model's dtype) or fp8 (float8 e4m3, scale 1: half "
+    "the bytes of 16-bit K/V; the triton and torch attention backends)",
     # the scheduler
     "batching": "sequential runs one request at a time; static admits a batch only when the last one has "
     "finished; continuous admits and retires requests at every step",

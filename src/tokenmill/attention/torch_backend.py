@@ -115,7 +115,10 @@ class _KVWrite:
         for pool, new in ((cache.key, key), (cache.value, value)):
             if self.rows is not None:
                 new = new.index_select(0, self.rows)
-            pool.view(-1, *pool.shape[2:]).index_copy_(0, self.slots, new.to(pool.dtype))
+            flat, new = pool.view(-1, *pool.shape[2:]), new.to(pool.dtype)
+            if pool.dtype.itemsize == 1:  # float8 (kv_cache_dtype fp8): index_copy_ takes its bytes
+                flat, new = flat.view(torch.uint8), new.view(torch.uint8)
+            flat.index_copy_(0, self.slots, new)
 
 
 @dataclass

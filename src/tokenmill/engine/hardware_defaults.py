@@ -90,8 +90,14 @@ def _resolve_kernels(config: EngineConfig, platform: Platform) -> KernelConfig:
     kernels = config.kernels
     fast = platform.triton_kernels
     backend = kernels.attention_backend
+    fp8_kv = config.kv.kv_cache_dtype != "auto"  # the C decode kernel reads 16- and 32-bit K/V only
     if backend == "auto":
-        backend = "triton" if fast else ("cpu" if platform.c_kernels else "torch")
+        backend = "triton" if fast else ("cpu" if platform.c_kernels and not fp8_kv else "torch")
+    if backend == "cpu" and fp8_kv:
+        raise ValueError(
+            f"kv_cache_dtype '{config.kv.kv_cache_dtype}' needs attention_backend 'triton' or 'torch' "
+            "(the 'cpu' backend reads K/V in the model's dtype only)"
+        )
     toggles = {name: fast for name in FUSED_KERNEL_TOGGLES if getattr(kernels, name) is None}
     if backend in ("torch", "cpu"):
         toggles["fused_decode_rotary_kv"] = bool(kernels.fused_decode_rotary_kv)

@@ -55,8 +55,10 @@ def create_kv_cache(
     ``gpu_memory_utilization`` of the GPU leaves after the weights and the activations of the largest
     step, measured by running it through ``profile_forward``. ``agree``: under tensor parallelism, the
     smallest of the ranks' block counts (each rank sizes its own pool on its own GPU, profiling in step
-    with the others; they must hold the same number of blocks, which rank 0's block tables index)."""
+    with the others; they must hold the same number of blocks, which rank 0's block tables index).
+    ``dtype``: the model's; the pool stores K/V in it, or in float8 e4m3 under ``kv_cache_dtype`` fp8."""
     kv = config.kv
+    dtype = cache_dtype(kv.kv_cache_dtype, dtype)
     per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
     if kv.mode == "none":
         return KVCache(create_kv_cache_manager("none", 0, 1, False), None, per_token, 0)
@@ -83,6 +85,11 @@ def create_kv_cache(
     )
     manager = create_kv_cache_manager(kv.mode, num_blocks, block_size, bool(kv.prefix_caching))
     return KVCache(manager, layers, per_token, tokens)
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type for ``KVCacheConfig.kv_cache_dtype``."""
+    return torch.float8_e4m3fn if kv_cache_dtype.startswith("fp8") else model_dtype
 
 
 def _cpu_budget_bytes(config: EngineConfig, bytes_per_token: int, block_size: int, max_model_len: int) -> int:

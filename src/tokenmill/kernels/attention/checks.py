@@ -4,6 +4,8 @@ import torch
 
 from tokenmill.kernels._common import require_unit_last_stride
 
+FP8_KV_DTYPE = torch.float8_e4m3fn  # a pool of it is read into the query's dtype (kv_cache_dtype fp8)
+
 
 def check_head_dim(head_dim: int) -> None:
     if head_dim < 16 or head_dim & (head_dim - 1):
@@ -21,7 +23,7 @@ def check_pools(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
         raise ValueError(
             f"pool {list(key_pool.shape)} does not fit {num_heads} query heads of dim {head_dim}"
         )
-    if key_pool.dtype != query.dtype:
+    if key_pool.dtype not in (query.dtype, FP8_KV_DTYPE):
         raise ValueError(f"query is {query.dtype} but the KV pool is {key_pool.dtype}")
     for name, tensor in (("query", query), ("key_pool", key_pool)):
         require_unit_last_stride(name, tensor)

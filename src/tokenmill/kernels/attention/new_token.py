@@ -35,14 +35,14 @@ def attend_one_key(
     v: tl.tensor,
     scale_log2: float,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """Fold a single key ``[D]`` and value (the step's new token) into the running state, rounding the
-    probability where ``tiles.softmax_step`` does."""
+    """Fold a single key ``[D]`` and value (the step's new token, in the pool's dtype) into the running
+    state, rounding the probability where ``tiles.softmax_step`` does."""
     score = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * scale_log2
     new_max = tl.maximum(row_max, score)
     alpha = tl.exp2(row_max - new_max)
     p = tl.exp2(score - new_max)
     row_sum = row_sum * alpha + p
-    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+    acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
     return new_max, row_sum, acc
 
 

@@ -1,5 +1,6 @@
 """The key-tile loop that the decode and prefill kernels share: the K/V rows of a tile found through a
-block table (or packed, unpaged), the tile loaded (masked or whole), and folded into a running base-2
+block table (or packed, unpaged), the tile loaded (masked or whole) and converted to the query's dtype
+(a float8 pool, ``kv_cache_dtype`` fp8, is read as it is stored), and folded into a running base-2
 softmax (row max, row sum, unnormalized output)."""
 
 import math
@@ -94,14 +95,14 @@ def attend_range(
         offsets = kv_offsets(
             block_table_ptr, kv_base_row, positions, in_range, block_stride, slot_stride, paged, block_size
         )
-        k = load_kv_tile(key_base, offsets, dims, in_range, masked)
+        k = load_kv_tile(key_base, offsets, dims, in_range, masked).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=precision) * scale_log2
         if masked:
             visible = (positions[None, :] <= query_pos[:, None]) & in_range[None, :]
             if has_window:
                 visible = visible & (positions[None, :] > query_pos[:, None] - window)
             scores = tl.where(visible, scores, float("-inf"))
-        v = load_kv_tile(value_base, offsets, dims, in_range, masked)
+        v = load_kv_tile(value_base, offsets, dims, in_range, masked).to(q.dtype)
         row_max, row_sum, acc = softmax_step(scores, row_max, row_sum, acc, v, precision)
     return row_max, row_sum, acc
 
@@ -118,11 +119,11 @@ def attend_tile(
     scale_log2: float,
     precision: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
-    """Fold a loaded tile of keys ``[N, D]`` and values into the running state; keys out of range
-    (masked) count for nothing."""
-    scores = tl.dot(q, tl.trans(k), input_precision=precision) * scale_log2
+    """Fold a loaded tile of keys ``[N, D]`` and values (in the pool's dtype) into the running state;
+    keys out of range (masked) count for nothing."""
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=precision) * scale_log2
     scores = tl.where(in_range[None, :], scores, float("-inf"))
-    return softmax_step(scores, row_max, row_sum, acc, v, precision)
+    return softmax_step(scores, row_max, row_sum, acc, v.to(q.dtype), precision)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
