@@ -54,16 +54,19 @@ def _batch(seed: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dty
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE
+        ),
     )
 
     def new(num_heads: int) -> torch.Tensor:
         return torch.randn(starts[-1], num_heads, head_dim, generator=gen).to(DEVICE, dtype)
 
-    return dict(
-        query=new(heads), key=new(kv_heads), value=new(kv_heads), pool=pool, metadata=metadata,
-        starts=starts, seq_lens=seq_lens, slots=slots, tables=tables, block_size=block_size,
-    )  # fmt: skip
+    return {
+        "query": new(heads), "key": new(kv_heads), "value": new(kv_heads), "pool": pool,
+        "metadata": metadata, "starts": starts, "seq_lens": seq_lens, "slots": slots, "tables": tables,
+        "block_size": block_size,
+    }  # fmt: skip
 
 
 def _naive(batch: dict, layer: AttentionLayer, cache: KVCacheLayer) -> torch.Tensor:
@@ -134,7 +137,8 @@ def _backends(dtype: torch.dtype) -> list[object]:
 def test_attention_over_a_float8_pool_matches_naive(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> None:
-    batch = _batch(heads * 10 + head_dim, heads, kv_heads, head_dim, dtype, block_size=16 if heads == 4 else 5)
+    block_size = 16 if heads == 4 else 5
+    batch = _batch(heads * 10 + head_dim, heads, kv_heads, head_dim, dtype, block_size)
     layer = AttentionLayer(0, heads, kv_heads, head_dim, head_dim**-0.5, None)
     slots = batch["metadata"].slot_mapping
     for backend in _backends(dtype):
