@@ -14,7 +14,7 @@ import torch
 from tiny_models import save_tiny_model
 from tokenmill.attention.triton_backend import TritonAttentionBackend
 from tokenmill.benchmarks import hf_peer, ladder, latency, report, throughput
-from tokenmill.benchmarks.correctness import LOGPROB_TOLERANCE, check_fast_path
+from tokenmill.benchmarks.correctness import LOGPROB_TOLERANCE, LOSSY_KV_TOLERANCE, check_fast_path
 from tokenmill.benchmarks.measure import RunResult, compare_outputs, percentile, run_engine
 from tokenmill.benchmarks.workload import WorkloadSpec, build_workload, corpus_slice, parse_length_range
 from tokenmill.cli import main as cli_main
@@ -379,3 +379,22 @@ def test_fast_path_check_catches_a_wrong_kernel(tiny_llama_folder: Path, monkeyp
     check = check_fast_path(config, loaded, [[5, 6, 7, 8, 9], [10, 11, 12]], max_tokens=6)
     assert not check.passed and "FAILED" in check.describe()
     assert check.max_logprob_diff > LOGPROB_TOLERANCE
+
+
+def test_fast_path_check_over_a_float8_kv_pool(tiny_llama_folder: Path, monkeypatch: Any) -> None:
+    """Both paths round K/V to e4m3: logprobs agree within the lossy tolerance; a kernel far off fails."""
+    loaded = load_model(tiny_llama_folder, dtype="float32")
+    config = EngineConfig().with_options(
+        device="cpu", attention_backend="triton", num_kv_blocks=64, block_size=4, kv_cache_dtype="fp8"
+    )
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    check = check_fast_path(config, loaded, prompts, max_tokens=6)
+    assert check.passed and check.tolerance == LOSSY_KV_TOLERANCE, check.describe()
+    assert "float8 KV pool" in check.describe()
+    real_forward = TritonAttentionBackend.forward
+
+    def misreading(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:  # e.g. float8 bits misread
+        return real_forward(self, *args, **kwargs) * 10
+
+    monkeypatch.setattr(TritonAttentionBackend, "forward", misreading)
+    assert not check_fast_path(config, loaded, prompts, max_tokens=6).passed

@@ -156,7 +156,7 @@ def test_attention_over_a_float8_pool_matches_naive(
 
 def _engine(kv_cache_dtype: str, **options: object) -> LLMEngine:
     config = EngineConfig().with_options(
-        model="smollm2-135m", load_format="dummy", dtype="float32", max_model_len=128,
+        model="smollm2-135m", load_format="dummy", dtype="float32", max_model_len=128, device="cpu",
         kv_cache_dtype=kv_cache_dtype, warm_start=False, cpu_kv_cache_gib=0.01, **options,
     )  # fmt: skip
     return LLMEngine(config)

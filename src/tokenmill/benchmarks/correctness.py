@@ -23,6 +23,11 @@ from tokenmill.sampling_params import SamplingParams
 
 PLAIN_PATH = {"batching": "sequential", **NO_OPTIMIZATIONS}  # one request at a time
 LOGPROB_TOLERANCE = 1e-3  # float32; observed differences are around 1e-5
+# kv_cache_dtype fp8: the two paths compute K/V a float32 rounding apart, and where one lands on the other
+# side of an e4m3 rounding boundary (steps of 2^-4 relative) that element moves by up to 6%; the logprobs
+# then differ by more, and a near-tie may flip. Checked instead: logprobs up to and at the first differing
+# token within this, and that token a near-tie of the plain path (its two best within this of each other).
+LOSSY_KV_TOLERANCE = 0.1
 
 
 @dataclass
@@ -32,10 +37,12 @@ class FastPathCheck:
     num_tokens: int = 0
     token_mismatches: list[str] = field(default_factory=list)
     max_logprob_diff: float = 0.0
+    tolerance: float = LOGPROB_TOLERANCE
+    near_ties: list[str] = field(default_factory=list)  # divergences allowed (lossy KV pool only)
 
     @property
     def passed(self) -> bool:
-        return not self.token_mismatches and self.max_logprob_diff <= LOGPROB_TOLERANCE
+        return not self.token_mismatches and self.max_logprob_diff <= self.tolerance
 
     def describe(self) -> str:
         verdict = "passed" if self.passed else "FAILED"
@@ -45,9 +52,14 @@ class FastPathCheck:
         lines = [
             f"correctness {verdict}: measured config ({toggles or 'plain'}) vs the plain path, float32, "
             f"{self.num_prompts} prompts, {self.num_tokens} greedy tokens; max |logprob diff| "
-            f"{self.max_logprob_diff:.2e} (tolerance {LOGPROB_TOLERANCE:g})"
+            f"{self.max_logprob_diff:.2e} (tolerance {self.tolerance:g})"
         ]
-        lines += [f"  {mismatch}" for mismatch in self.token_mismatches[:5]]
+        if self.tolerance != LOGPROB_TOLERANCE:
+            lines[0] += (
+                f"; float8 KV pool on both paths: logprobs compared up to and at the first differing token, "
+                f"which must be a near-tie of the plain path ({len(self.near_ties)} were)"
+            )
+        lines += [f"  {mismatch}" for mismatch in (self.token_mismatches + self.near_ties)[:5]]
         return "\n".join(lines)
 
 
@@ -65,18 +77,16 @@ def check_fast_path(
     config = config.with_options(dtype="float32", num_kv_blocks=blocks + len(prompts), warm_start=False)
     fast_engine = LLMEngine(config, loaded=reference)
     check = FastPathCheck(fast_path_toggles(fast_engine.config))  # as resolved for this hardware
+    lossy = config.kv.kv_cache_dtype != "auto"
+    if lossy:
+        check.tolerance = LOSSY_KV_TOLERANCE
     fast = _greedy(fast_engine, prompts, max_tokens)
     del fast_engine
     plain = _greedy(LLMEngine(config.with_options(**PLAIN_PATH), loaded=reference), prompts, max_tokens)
-    for index, ((fast_ids, fast_lps), (plain_ids, plain_lps)) in enumerate(zip(fast, plain, strict=True)):
+    for index, (fast_run, plain_run) in enumerate(zip(fast, plain, strict=True)):
         check.num_prompts += 1
-        check.num_tokens += len(plain_ids)
-        if fast_ids != plain_ids:
-            pairs = enumerate(zip(fast_ids, plain_ids, strict=False))
-            first = next((i for i, (a, b) in pairs if a != b), min(len(fast_ids), len(plain_ids)))
-            check.token_mismatches.append(f"prompt {index}: tokens differ from position {first}")
-        diffs = [abs(a - b) for a, b in zip(fast_lps, plain_lps, strict=False)]
-        check.max_logprob_diff = max([check.max_logprob_diff, *diffs])
+        check.num_tokens += len(plain_run.token_ids)
+        _compare(check, index, fast_run, plain_run, lossy)
     del reference
     gc.collect()
     if torch.cuda.is_available():
@@ -101,18 +111,48 @@ def float32_copy(config: EngineConfig, loaded: LoadedModel) -> LoadedModel:
     return dataclasses.replace(copy, tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids)
 
 
-def _greedy(
-    engine: LLMEngine, prompts: Sequence[Sequence[int]], max_tokens: int
-) -> list[tuple[list[int], list[float]]]:
-    """All prompts at once (so batched and graph paths run); each one's tokens and their logprobs."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    results: dict[str, tuple[list[int], list[float]]] = {}
+@dataclass
+class _GreedyRun:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    runner_up_gaps: list[float] = field(default_factory=list)  # best logprob minus the second best
+
+
+def _compare(check: FastPathCheck, index: int, fast: _GreedyRun, plain: _GreedyRun, lossy: bool) -> None:
+    """Tokens and logprobs of one prompt; with a ``lossy`` KV pool, only up to the first differing token,
+    which must be a near-tie of the plain path."""
+    pairs = enumerate(zip(fast.token_ids, plain.token_ids, strict=False))
+    first = next((i for i, (a, b) in pairs if a != b), None)
+    if first is None and len(fast.token_ids) != len(plain.token_ids):
+        first = min(len(fast.token_ids), len(plain.token_ids))
+    # At the first differing token both paths' best logprobs are still compared: a near-tie keeps them
+    # close, a misread pool does not.
+    end = len(plain.logprobs) if first is None or not lossy else first + 1
+    diffs = [abs(a - b) for a, b in zip(fast.logprobs[:end], plain.logprobs[:end], strict=False)]
+    check.max_logprob_diff = max([check.max_logprob_diff, *diffs])
+    if first is None:
+        return
+    gap = plain.runner_up_gaps[first] if first < len(plain.runner_up_gaps) else float("inf")
+    if lossy and gap <= LOSSY_KV_TOLERANCE:
+        check.near_ties.append(f"prompt {index}: tokens differ from position {first}, a near-tie ({gap:.3f})")
+    else:
+        check.token_mismatches.append(f"prompt {index}: tokens differ from position {first}")
+
+
+def _greedy(engine: LLMEngine, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[_GreedyRun]:
+    """All prompts at once (so batched and graph paths run); each one's tokens, their logprobs and the
+    gap to the runner-up."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    results: dict[str, _GreedyRun] = {}
     for index, prompt in enumerate(prompts):
         engine.add_request(f"check-{index}", list(prompt), params)
-        results[f"check-{index}"] = ([], [])
+        results[f"check-{index}"] = _GreedyRun()
     while engine.has_unfinished_requests():
         for delta in engine.step():
-            ids, logprobs = results[delta.request_id]
-            ids.extend(delta.new_token_ids)
-            logprobs.extend(entry.logprob for entry in delta.new_logprobs or [])
+            run = results[delta.request_id]
+            run.token_ids.extend(delta.new_token_ids)
+            for entry in delta.new_logprobs or []:
+                run.logprobs.append(entry.logprob)
+                best = [logprob for _, logprob in entry.top]
+                run.runner_up_gaps.append(best[0] - best[1] if len(best) > 1 else float("inf"))
     return [results[f"check-{index}"] for index in range(len(prompts))]
