@@ -38,6 +38,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel
 from tokenmill.models.layers import VocabParallelEmbedding
 from tokenmill.quantization.gguf_method import packed_nbytes
+from tokenmill.runner.kv_cache import cache_dtype
 
 # Far above the last-level cache; larger on GPUs, where a smaller copy ends too fast to time well.
 COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 2 * 2**30}
@@ -124,10 +125,14 @@ def weight_bytes_read_per_token(model: nn.Module) -> int:
     return total
 
 
-def decode_bytes_per_token(loaded: LoadedModel, context_len: int) -> tuple[int, int]:
-    """(weight bytes, KV bytes) read to decode one token at ``context_len`` tokens of context."""
+def decode_bytes_per_token(
+    loaded: LoadedModel, context_len: int, kv_cache_dtype: str = "auto"
+) -> tuple[int, int]:
+    """(weight bytes, KV bytes) read to decode one token at ``context_len`` tokens of context, with K/V
+    stored as ``kv_cache_dtype`` says."""
     config = loaded.config
-    kv_per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, loaded.dtype)
+    kv_dtype = cache_dtype(kv_cache_dtype, loaded.dtype)
+    kv_per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype)
     return weight_bytes_read_per_token(loaded.model), kv_per_token * context_len
 
 
@@ -208,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
     header = header_lines("tokenmill latency", workload_text, describe_model(loaded), peer_text)
     _warn_if_different(ours, theirs)
     context = args.input_len + args.output_len // 2
-    results = result_lines(ours, theirs, loaded, context, bandwidth, args.input_len)
+    kv_dtype = config.kv.kv_cache_dtype
+    results = result_lines(ours, theirs, loaded, context, bandwidth, args.input_len, kv_dtype)
     results.append(prefill_compute_line(ours, loaded, args.input_len, matmul))
     text = provenance_header(hardware) + "\n".join([*header, check.describe(), "", "```", *results, "```"])
     print(text)
@@ -241,9 +247,15 @@ def hf_once(peer: HFPeer, prompt: list[int], output_len: int) -> Latency:
 
 
 def result_lines(
-    ours: Latency, theirs: Latency | None, loaded: LoadedModel, context: int, bandwidth: float, input_len: int
+    ours: Latency,
+    theirs: Latency | None,
+    loaded: LoadedModel,
+    context: int,
+    bandwidth: float,
+    input_len: int,
+    kv_cache_dtype: str = "auto",
 ) -> list[str]:
-    weights, kv = decode_bytes_per_token(loaded, context)
+    weights, kv = decode_bytes_per_token(loaded, context, kv_cache_dtype)
     kind = "device-to-device" if loaded.device.type == "cuda" else "memcpy"
     size = fmt_bytes(copy_size(loaded.device))
     lines = [

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     peer_text = "none (--skip-hf)" if peer is None else peer.describe()
     workload_text = f"{workload.describe()}; max_model_len {max_model_len}"
     header = header_lines("tokenmill throughput", workload_text, describe_model(loaded), peer_text)
-    limit = limit_share(ours, workload, loaded)
+    limit = limit_share(ours, workload, loaded, config.kv.kv_cache_dtype)
     report = render(header, ours, [*repeats, *peers], verified, limit, len(repeats))
     print("\n" + "\n".join(report[len(header) :]))
     if args.report_dir is not None:
@@ -147,10 +147,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def limit_share(ours: RunResult, workload: Workload, loaded: LoadedModel) -> str:
+def limit_share(ours: RunResult, workload: Workload, loaded: LoadedModel, kv_cache_dtype: str) -> str:
     """Bytes the run had to read (weights once per step, each decoded token's KV context) over its time,
     as a share of the copy bandwidth measured now: how close to memory-bound the whole run was."""
-    weights, kv_per_token = decode_bytes_per_token(loaded, 1)
+    weights, kv_per_token = decode_bytes_per_token(loaded, 1, kv_cache_dtype)
     kv_read = sum(
         kv_per_token * (len(request.prompt_token_ids) + position)
         for request in workload.requests
