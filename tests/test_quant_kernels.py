@@ -31,6 +31,8 @@ DEVICE = "cuda" if ON_CUDA else "cpu"
 ACT_DTYPE = torch.bfloat16 if ON_CUDA else torch.float32
 WEIGHT_DTYPES = [torch.int8, torch.float8_e4m3fn]
 SMALL_GEMV = GemvConfig(block_n=8, block_k=32, num_warps=4, num_stages=1)
+# kernels/gemv_tensor_core.py: the weight tiles go through tl.dot (16 rows of the repeated input)
+SMALL_TENSOR_CORE = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2, tensor_cores=True)
 
 
 def quantize_per_channel(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +56,7 @@ def _close(out: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("shape", [(40, 96), (33, 200), (130, 1000)])
-@pytest.mark.parametrize("config", [None, SMALL_GEMV], ids=["default", "small"])
+@pytest.mark.parametrize("config", [None, SMALL_GEMV, SMALL_TENSOR_CORE], ids=["default", "small", "tc"])
 def test_gemv_reads_8bit_weights(weight_dtype: torch.dtype, shape: tuple[int, int], config) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(1)
     out_features, in_features = shape
@@ -67,20 +69,43 @@ def test_gemv_reads_8bit_weights(weight_dtype: torch.dtype, shape: tuple[int, in
 
 
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
-def test_fused_gemvs_read_8bit_weights(weight_dtype: torch.dtype) -> None:
-    """The RMSNorm and SwiGLU prologues are unchanged by the weight's format."""
+@pytest.mark.parametrize("config", [None, SMALL_TENSOR_CORE], ids=["default", "tc"])
+def test_fused_gemvs_read_8bit_weights(weight_dtype: torch.dtype, config: GemvConfig | None) -> None:
+    """The RMSNorm and SwiGLU prologues are unchanged by the weight's format (the tensor-core kernel
+    takes the norm; a gated prologue stays on the CUDA cores whatever the config); the new residual is
+    written once, whole."""
     torch.manual_seed(2)
     x = torch.randn(1, 96, device=DEVICE, dtype=ACT_DTYPE)
     residual = torch.randn_like(x)
     norm = RMSNorm(96, 1e-6).to(device=DEVICE, dtype=ACT_DTYPE)
     torch.nn.init.normal_(norm.weight)
     weight, scale = quantize_per_channel(torch.randn(40, 96, device=DEVICE), weight_dtype)
-    out, _ = rms_norm_gemv(x, weight, norm.weight, norm.eps, residual, weight_scale=scale)
-    normed, _ = norm(x.clone(), residual.clone())
+    out, new_residual = rms_norm_gemv(
+        x, weight, norm.weight, norm.eps, residual, config=config, weight_scale=scale
+    )
+    normed, expected_residual = norm(x.clone(), residual.clone())
     _close(out, normed.float() @ dequantized(weight, scale).t())
+    assert torch.equal(new_residual, expected_residual)
     gate_up = torch.randn(1, 192, device=DEVICE, dtype=ACT_DTYPE)
-    out = gated_gemv(gate_up, weight, "silu", weight_scale=scale)
+    out = gated_gemv(gate_up, weight, "silu", config=config, weight_scale=scale)
     _close(out, SiluAndMul()(gate_up).float() @ dequantized(weight, scale).t())
+
+
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_wide_8bit_projections_default_to_the_tensor_cores(weight_dtype: torch.dtype) -> None:
+    """At the width of a gate/up projection the default config is the tensor-core kernel's (and its
+    result the reference's); narrower ones stay on the CUDA cores."""
+    from tokenmill.kernels.gemv import TENSOR_CORE_MIN_FEATURES, default_gemv_config
+
+    assert default_gemv_config(TENSOR_CORE_MIN_FEATURES, 64, 1).tensor_cores
+    assert not default_gemv_config(TENSOR_CORE_MIN_FEATURES - 1, 64, 1).tensor_cores
+    assert not default_gemv_config(TENSOR_CORE_MIN_FEATURES, 64, 2).tensor_cores
+    torch.manual_seed(3)
+    x = torch.randn(1, 64, device=DEVICE, dtype=ACT_DTYPE)
+    weight, scale = quantize_per_channel(
+        torch.randn(TENSOR_CORE_MIN_FEATURES, 64, device=DEVICE), weight_dtype
+    )
+    _close(gemv(x, weight, weight_scale=scale), x.float() @ dequantized(weight, scale).t())
 
 
 def test_gemv_refuses_an_8bit_weight_without_its_scale() -> None:

@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
+from tokenmill.kernels.gemv_tensor_core import launch_tensor_core_gemv
+from tokenmill.kernels.gemv_tiles import as_float32, input_tile, weight_tile
 from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 from tokenmill.kernels.options import GEMV_MAX_ROWS as MAX_ROWS
 
@@ -44,11 +46,15 @@ GEMV_MIN_PROGRAMS = 1024  # about 8 per SM of an H200 (132 SMs)
 QUANTIZED_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
+TENSOR_CORE_MIN_FEATURES = 16384  # 8-bit weights of at least this many rows go to the tensor cores
+
+
 class GemvConfig(NamedTuple):
     block_n: int  # weight rows (output features) per program
     block_k: int  # input features per step of the loop
     num_warps: int
     num_stages: int
+    tensor_cores: bool = False  # 8-bit weights through kernels/gemv_tensor_core.py (no gated prologue)
 
 
 def default_gemv_config(out_features: int, in_features: int, weight_bytes: int = 2) -> GemvConfig:
@@ -56,6 +62,8 @@ def default_gemv_config(out_features: int, in_features: int, weight_bytes: int =
     decode in the engine with PDL): long contiguous row segments, 8 warps on long rows; as many rows
     per program (2, 4 or 8) as still leave ``GEMV_MIN_PROGRAMS`` programs (in the engine, 8 rows for
     gate/up and the LM head and 2 for q/k/v were each 1-4% faster than 4)."""
+    if weight_bytes == 1 and out_features >= TENSOR_CORE_MIN_FEATURES:
+        return _one_byte_tensor_core_config(out_features)
     if weight_bytes == 1:
         return _one_byte_config(out_features, in_features)
     if in_features >= 8192:
@@ -72,81 +80,10 @@ def _one_byte_config(out_features: int, in_features: int) -> GemvConfig:
     return GemvConfig(8, min(1024, next_power_of_2(in_features)), 4, 2)
 
 
-@triton.jit
-def _input_tile(
-    x_ptr: tl.tensor,
-    residual_ptr: tl.tensor,
-    norm_weight_ptr: tl.tensor,
-    new_residual_ptr: tl.tensor,
-    cols: tl.tensor,
-    col_ok: tl.tensor,
-    written_cols: tl.tensor,
-    in_features: int,
-    prologue: tl.constexpr,
-    unit_offset: tl.constexpr,
-) -> tuple[tl.tensor, tl.tensor]:
-    """Columns ``cols`` of the transformed input in float32 (before the ``1 / rms`` factor for the norm
-    prologues), and their squares' contribution to the sum of squares (zero without a norm)."""
-    x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
-    dtype = x.dtype
-    squares = tl.zeros(cols.shape, tl.float32)
-    if prologue == 1 or prologue == 2:
-        if prologue == 2:
-            x = (x.to(tl.float32) + tl.load(residual_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)).to(
-                dtype
-            )
-            tl.store(new_residual_ptr + cols, x, mask=col_ok & (cols < written_cols))
-        x32 = x.to(tl.float32)
-        squares = x32 * x32
-        weight = tl.load(norm_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        out = x32 * (1.0 + weight) if unit_offset else x32 * weight
-    elif prologue == 3 or prologue == 4:
-        up = tl.load(x_ptr + in_features + cols, mask=col_ok, other=0.0)
-        g = x.to(tl.float32)
-        if prologue == 3:
-            activated = g * tl.sigmoid(g)
-        else:  # gelu_tanh(g) = g * sigmoid(2u), u = sqrt(2/pi) * (g + 0.044715 g^3)
-            activated = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
-        out = (activated.to(dtype).to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
-    else:
-        out = x.to(tl.float32)
-    return out, squares
-
-
-@triton.jit
-def _as_float32(weight: tl.tensor) -> tl.tensor:
-    """The weight tile in float32. 8-bit weights convert through integer and float adds, not the
-    conversion instructions, which run at 16 per clock per SM on Hopper, below the ~18 bytes per clock per
-    SM the memory delivers (on the H200 this took the int8 GEMV from 3.0 to 3.1 TB/s on gate/up and from
-    9.7 to 8.7 µs on q/k/v of Llama-3.1-8B; the 8-bit GEMV stays below bfloat16's 4 TB/s all the same).
-
-    int8 ``v``: the float with bits ``0x4B000000 + (v + 128)`` is ``2**23 + v + 128``, exactly.
-    float8 e4m3 (bias 7): its exponent and mantissa bits, moved to float32's places, are the value times
-    ``2**-120`` (float32's bias is 127), subnormals included."""
-    if weight.dtype == tl.int8:
-        biased = weight.to(tl.int32) + 0x4B000080
-        return biased.to(tl.float32, bitcast=True) - 8388736.0
-    elif weight.dtype == tl.float8e4nv:
-        bits = weight.to(tl.int8, bitcast=True).to(tl.int32) & 0xFF
-        moved = ((bits & 0x80) << 24) | ((bits & 0x7F) << 20)
-        return moved.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
-    else:
-        return weight.to(tl.float32)
-
-
-@triton.jit
-def _weight_tile(
-    weight_rows: tl.tensor, feature_ok: tl.tensor, start: int, in_features: int, block_k: tl.constexpr
-) -> tl.tensor:
-    """Columns ``[start, start + block_k)`` of the program's weight rows, loaded one step ahead of their
-    use (past the last column the mask reads nothing)."""
-    cols = start + tl.arange(0, block_k)
-    return tl.load(
-        weight_rows + cols[None, :],
-        mask=feature_ok[:, None] & (cols < in_features)[None, :],
-        other=0.0,
-        eviction_policy="evict_first",  # read once; keep the activations in cache instead
-    )
+def _one_byte_tensor_core_config(out_features: int) -> GemvConfig:
+    """The widest 8-bit projections on the tensor cores (H200 sweep at Llama-3.1-8B's shapes: 128 rows of
+    256 columns for gate/up, 64 rows for the LM head, 4 warps, three stages)."""
+    return GemvConfig(128 if out_features < 4 * TENSOR_CORE_MIN_FEATURES else 64, 256, 4, 3, True)
 
 
 @triton.jit
@@ -176,13 +113,13 @@ def _gemv_kernel(
     feature_ok = features < out_features
     written_cols = tl.where(program == 0, in_features, 0)  # the first program writes the residual
     weight_rows = weight_ptr + features.to(tl.int64)[:, None] * weight_row_stride
-    weight = _weight_tile(weight_rows, feature_ok, 0, in_features, block_k)
+    weight = weight_tile(weight_rows, feature_ok, 0, in_features, block_k)
     wait_for_previous_kernel(pdl)  # the weights are constants: only the activations wait for it
     products = tl.zeros([block_n, block_k], tl.float32)
     squares = tl.zeros([block_k], tl.float32)
     for start in range(0, in_features, block_k):
         cols = start + tl.arange(0, block_k)
-        x, x_squares = _input_tile(
+        x, x_squares = input_tile(
             x_ptr,
             residual_ptr,
             norm_weight_ptr,
@@ -194,9 +131,9 @@ def _gemv_kernel(
             prologue,
             unit_offset,
         )
-        products += _as_float32(weight) * x[None, :]
+        products += as_float32(weight) * x[None, :]
         squares += x_squares
-        weight = _weight_tile(weight_rows, feature_ok, start + block_k, in_features, block_k)
+        weight = weight_tile(weight_rows, feature_ok, start + block_k, in_features, block_k)
     out = tl.sum(products, axis=1)
     if has_weight_scale:
         out *= tl.load(weight_scale_ptr + features, mask=feature_ok, other=0.0)
@@ -312,6 +249,14 @@ def _launch(
     if num_rows == 0:
         return out, new_residual
     config = config or default_gemv_config(out_features, in_features, weight.element_size())
+    if config.tensor_cores and prologue in (PLAIN, RMS_NORM, ADD_RMS_NORM):
+        if weight_scale is None:
+            raise ValueError("the tensor-core GEMV takes 8-bit weights (with their weight_scale) only")
+        launch_tensor_core_gemv(
+            x, weight, weight_scale, bias, out, config[:4], prologue, pdl, residual, norm_weight,
+            new_residual, eps, unit_offset,
+        )  # fmt: skip
+        return out, new_residual
     _gemv_kernel[(triton.cdiv(out_features, config.block_n),)](
         x,
         residual if residual is not None else x,

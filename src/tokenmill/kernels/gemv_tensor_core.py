@@ -1,0 +1,184 @@
+"""One-row projections of 8-bit weights on the tensor cores, for the widest outputs (gate/up, the LM head).
+
+The CUDA-core GEMV (``kernels/gemv.py``) converts each int8 / e4m3 weight to float32 and multiply-adds it:
+per byte of weight that is twice the instructions of a bfloat16 weight, and at one token per step the
+instruction issue, not the memory, bounds it (~3.1 TB/s on the H200 where bfloat16 streams ~4). Here the
+input row is broadcast to a 16-row tile and each ``[block_n, block_k]`` weight tile, converted to the
+input's dtype in registers, goes through ``tl.dot``: the tensor cores do the multiply-adds, and the
+conversion is all the arithmetic left (for bfloat16 inputs a few packed bit operations per four weights,
+below). Every row of the product holds the same sums; row 0 is kept. The prologues (RMSNorm with the
+residual add) are computed as the CUDA-core kernel computes them (``kernels/gemv_tiles.py``), rounded to
+the input dtype before the product. Measured on the H200 at Llama-3.1-8B's shapes (reports/gpu/
+quantized-llama-3.1-8b/gemv8-tensor-core.md): gate/up 37.0 -> 31.4 µs (int8) and 44.3 -> 30.6 µs (fp8),
+the LM head 152 -> 123 µs and 184 -> 123 µs; narrower outputs (q/k/v, o, down) gain nothing without a
+split over the input features, which a norm prologue does not allow, and stay on the CUDA cores.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.gemv_tiles import input_tile, weight_tile
+from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
+
+DOT_ROWS = 16  # the smallest M of a tensor-core dot; the one input row is repeated to fill it
+
+# int8 -> bfloat16, four weights a call (bf16 has 7 mantissa bits: no single magic number covers the 256
+# codes). prmt 0x4140 / 0x4342 with b = 0x43434343 puts the raw bytes b_i into 16-bit lanes 0x43b_i;
+# lane & 0x437F is the bf16 128 + (b_i & 127), lane & 0x4380 the bf16 128 (sign bit clear) or 256 (set);
+# their difference is the byte's two's-complement value, exactly. sub.rn.bf16x2 needs sm_90.
+_INT8_TO_BF16 = """{
+.reg .b32 a, b, c, lo, hi;
+mov.b32 c, 0x43434343;
+prmt.b32 a, $2, c, 0x4140;
+prmt.b32 b, $2, c, 0x4342;
+and.b32 lo, a, 0x437F437F;
+and.b32 hi, a, 0x43804380;
+sub.rn.bf16x2 $0, lo, hi;
+and.b32 lo, b, 0x437F437F;
+and.b32 hi, b, 0x43804380;
+sub.rn.bf16x2 $1, lo, hi;
+}"""
+
+# e4m3 (s eeee mmm, bias 7) -> bfloat16, four weights a call. prmt 0x9180 / 0xB3A2 puts bytes 0, 1
+# (2, 3) sign-extended into 16-bit lanes; shifted left 4 and masked with 0x87F0 each lane is the bf16
+# with the sign, exponent field eeee and mantissa mmm0000: the e4m3 value times 2^-120 (biases 127 and 7),
+# subnormals included. Multiplying by the bf16 2^120 (0x7B80) restores it exactly. mul.rn.bf16x2: sm_90.
+_E4M3_TO_BF16 = """{
+.reg .b32 a, b, z, k;
+mov.b32 z, 0;
+prmt.b32 a, $2, z, 0x9180;
+prmt.b32 b, $2, z, 0xB3A2;
+shl.b32 a, a, 4;
+shl.b32 b, b, 4;
+and.b32 a, a, 0x87F087F0;
+and.b32 b, b, 0x87F087F0;
+mov.b32 k, 0x7B807B80;
+mul.rn.bf16x2 $0, a, k;
+mul.rn.bf16x2 $1, b, k;
+}"""
+
+
+@triton.jit
+def _converted(weight: tl.tensor, dtype: tl.constexpr, packed: tl.constexpr) -> tl.tensor:
+    """The 8-bit weight tile in ``dtype``: by the packed PTX above for bfloat16 on the GPU (``packed``),
+    else by Triton's own conversion (exact: every int8 and e4m3 value is a float16 / bfloat16 / float32)."""
+    if packed:
+        if weight.dtype == tl.int8:
+            return tl.inline_asm_elementwise(
+                _INT8_TO_BF16, "=r,=r,r", [weight], dtype=tl.bfloat16, is_pure=True, pack=4
+            )
+        bits = weight.to(tl.int8, bitcast=True)
+        return tl.inline_asm_elementwise(
+            _E4M3_TO_BF16, "=r,=r,r", [bits], dtype=tl.bfloat16, is_pure=True, pack=4
+        )
+    return weight.to(dtype)
+
+
+@triton.jit
+def _tensor_core_gemv_kernel(
+    x_ptr: tl.tensor,
+    residual_ptr: tl.tensor,
+    norm_weight_ptr: tl.tensor,
+    weight_ptr: tl.tensor,
+    weight_scale_ptr: tl.tensor,
+    bias_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    new_residual_ptr: tl.tensor,
+    out_features: int,
+    in_features: int,
+    weight_row_stride: int,
+    eps: float,
+    prologue: tl.constexpr,
+    unit_offset: tl.constexpr,
+    has_bias: tl.constexpr,
+    block_n: tl.constexpr,
+    block_k: tl.constexpr,
+    packed: tl.constexpr,
+    precision: tl.constexpr,
+    pdl: tl.constexpr,
+) -> None:
+    program = tl.program_id(0)
+    features = program * block_n + tl.arange(0, block_n)
+    feature_ok = features < out_features
+    written_cols = tl.where(program == 0, in_features, 0)  # the first program writes the residual
+    weight_rows = weight_ptr + features.to(tl.int64)[:, None] * weight_row_stride
+    weight = weight_tile(weight_rows, feature_ok, 0, in_features, block_k)
+    wait_for_previous_kernel(pdl)  # the weights are constants: only the activations wait for it
+    dtype = x_ptr.dtype.element_ty
+    sums = tl.zeros([DOT_ROWS, block_n], tl.float32)
+    squares = tl.zeros([block_k], tl.float32)
+    for start in range(0, in_features, block_k):
+        cols = start + tl.arange(0, block_k)
+        x, x_squares = input_tile(
+            x_ptr,
+            residual_ptr,
+            norm_weight_ptr,
+            new_residual_ptr,
+            cols,
+            cols < in_features,
+            written_cols,
+            in_features,
+            prologue,
+            unit_offset,
+        )
+        rows = tl.broadcast_to(x.to(dtype)[None, :], (DOT_ROWS, block_k))
+        sums = tl.dot(rows, tl.trans(_converted(weight, dtype, packed)), sums, input_precision=precision)
+        squares += x_squares
+        weight = weight_tile(weight_rows, feature_ok, start + block_k, in_features, block_k)
+    first = tl.arange(0, DOT_ROWS)[:, None] == 0
+    out = tl.sum(tl.where(first, sums, 0.0), axis=0)  # adding zeros: row 0 exactly
+    out *= tl.load(weight_scale_ptr + features, mask=feature_ok, other=0.0)
+    if prologue == 1 or prologue == 2:
+        out = out / tl.sqrt(tl.sum(squares, axis=0) / in_features + eps)
+    if has_bias:
+        out += tl.load(bias_ptr + features, mask=feature_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + features, out.to(out_ptr.dtype.element_ty), mask=feature_ok)
+
+
+def launch_tensor_core_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    block: tuple[int, int, int, int],
+    prologue: int,
+    pdl: bool,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    new_residual: torch.Tensor | None = None,
+    eps: float = 0.0,
+    unit_offset: bool = False,
+) -> None:
+    """``out`` ``[1, N]`` from ``x`` ``[1, K]`` and an 8-bit ``weight`` (checked by the caller);
+    ``block``: (block_n, block_k, num_warps, num_stages), made smaller for float32 inputs, whose dots
+    take twice the registers."""
+    block_n, block_k, num_warps, num_stages = block
+    if x.dtype == torch.float32:
+        block_n, block_k = min(block_n, 64), min(block_k, 64)
+    _tensor_core_gemv_kernel[(triton.cdiv(weight.shape[0], block_n),)](
+        x,
+        residual if residual is not None else x,
+        norm_weight if norm_weight is not None else x,
+        weight,
+        weight_scale,
+        bias if bias is not None else weight_scale,
+        out,
+        new_residual if new_residual is not None else out,
+        weight.shape[0],
+        weight.shape[1],
+        weight.stride(0),
+        eps,
+        prologue=prologue,
+        unit_offset=unit_offset,
+        has_bias=bias is not None,
+        block_n=block_n,
+        block_k=block_k,
+        packed=x.dtype == torch.bfloat16 and x.is_cuda,
+        precision="ieee" if x.dtype == torch.float32 else "tf32",
+        pdl=pdl,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **launch_options(pdl),
+    )
