@@ -21,13 +21,13 @@ import triton.language as tl
 from tokenmill.kernels.gemv_tiles import input_tile, weight_tile
 from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 
-DOT_ROWS = 16  # the smallest M of a tensor-core dot; the one input row is repeated to fill it
+DOT_ROWS = tl.constexpr(16)  # the smallest M of a tensor-core dot; the input row is repeated to fill it
 
 # int8 -> bfloat16, four weights a call (bf16 has 7 mantissa bits: no single magic number covers the 256
 # codes). prmt 0x4140 / 0x4342 with b = 0x43434343 puts the raw bytes b_i into 16-bit lanes 0x43b_i;
 # lane & 0x437F is the bf16 128 + (b_i & 127), lane & 0x4380 the bf16 128 (sign bit clear) or 256 (set);
 # their difference is the byte's two's-complement value, exactly. sub.rn.bf16x2 needs sm_90.
-_INT8_TO_BF16 = """{
+_INT8_TO_BF16 = tl.constexpr("""{
 .reg .b32 a, b, c, lo, hi;
 mov.b32 c, 0x43434343;
 prmt.b32 a, $2, c, 0x4140;
@@ -38,13 +38,13 @@ sub.rn.bf16x2 $0, lo, hi;
 and.b32 lo, b, 0x437F437F;
 and.b32 hi, b, 0x43804380;
 sub.rn.bf16x2 $1, lo, hi;
-}"""
+}""")
 
 # e4m3 (s eeee mmm, bias 7) -> bfloat16, four weights a call. prmt 0x9180 / 0xB3A2 puts bytes 0, 1
 # (2, 3) sign-extended into 16-bit lanes; shifted left 4 and masked with 0x87F0 each lane is the bf16
 # with the sign, exponent field eeee and mantissa mmm0000: the e4m3 value times 2^-120 (biases 127 and 7),
 # subnormals included. Multiplying by the bf16 2^120 (0x7B80) restores it exactly. mul.rn.bf16x2: sm_90.
-_E4M3_TO_BF16 = """{
+_E4M3_TO_BF16 = tl.constexpr("""{
 .reg .b32 a, b, z, k;
 mov.b32 z, 0;
 prmt.b32 a, $2, z, 0x9180;
@@ -56,7 +56,7 @@ and.b32 b, b, 0x87F087F0;
 mov.b32 k, 0x7B807B80;
 mul.rn.bf16x2 $0, a, k;
 mul.rn.bf16x2 $1, b, k;
-}"""
+}""")
 
 
 @triton.jit
