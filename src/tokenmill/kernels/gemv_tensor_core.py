@@ -103,8 +103,9 @@ def _tensor_core_gemv_kernel(
     feature_ok = features < out_features
     written_cols = tl.where(program == 0, in_features, 0)  # the first program writes the residual
     weight_rows = weight_ptr + features.to(tl.int64)[:, None] * weight_row_stride
-    weight = weight_tile(weight_rows, feature_ok, 0, in_features, block_k)
-    wait_for_previous_kernel(pdl)  # the weights are constants: only the activations wait for it
+    # No tile loaded ahead by hand (as the CUDA-core kernel does): at these tile sizes it would hold a
+    # weight tile in registers; Triton's pipeliner stages the loads through shared memory instead.
+    wait_for_previous_kernel(pdl)
     dtype = x_ptr.dtype.element_ty
     sums = tl.zeros([DOT_ROWS, block_n], tl.float32)
     squares = tl.zeros([block_k], tl.float32)
@@ -122,10 +123,10 @@ def _tensor_core_gemv_kernel(
             prologue,
             unit_offset,
         )
+        weight = weight_tile(weight_rows, feature_ok, start, in_features, block_k)
         rows = tl.broadcast_to(x.to(dtype)[None, :], (DOT_ROWS, block_k))
         sums = tl.dot(rows, tl.trans(_converted(weight, dtype, packed)), sums, input_precision=precision)
         squares += x_squares
-        weight = weight_tile(weight_rows, feature_ok, start + block_k, in_features, block_k)
     first = tl.arange(0, DOT_ROWS)[:, None] == 0
     out = tl.sum(tl.where(first, sums, 0.0), axis=0)  # adding zeros: row 0 exactly
     out *= tl.load(weight_scale_ptr + features, mask=feature_ok, other=0.0)
