@@ -89,11 +89,6 @@ class GrammarBackend(ABC):
         """Write each ``(matcher, row)``'s next-token mask into ``bitmask[row]`` (a contiguous CPU int32
         tensor ``[num_rows, bitmask_width(vocab_size)]``); other rows are left as they are."""
 
-    def accept_tokens(self, rows: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
-        """Advance each ``(matcher, token_id)``: :meth:`GrammarMatcher.accept_token` over a batch of distinct
-        matchers (a backend may run them in parallel)."""
-        return [matcher.accept_token(token_id) for matcher, token_id in rows]
-
     @property
     def width(self) -> int:
         return bitmask_width(self.vocab_size)

@@ -111,10 +111,11 @@ class StructuredOutputs:
 
     def advance(self, rows: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
         """Move each ``(matcher, token_id)`` (distinct matchers) past its token, as one batch; False where
-        the grammar refuses it."""
+        the grammar refuses it. (llguidance's parallel ``consume_token_par`` was slower than this loop at
+        64 rows on the H200 host: 0.154 vs 0.073 ms.)"""
         if self._staging is not None:
             self._staging.before_advance([matcher for matcher, _ in rows])
-        return self.backend.accept_tokens(rows)
+        return [matcher.accept_token(token_id) for matcher, token_id in rows]
 
     @property
     def rows_from_ahead(self) -> int:
