@@ -72,8 +72,8 @@ def as_float32(weight: tl.tensor) -> tl.tensor:
 def weight_tile(
     weight_rows: tl.tensor, feature_ok: tl.tensor, start: int, in_features: int, block_k: tl.constexpr
 ) -> tl.tensor:
-    """Columns ``[start, start + block_k)`` of the program's weight rows, loaded one step ahead of their
-    use (past the last column the mask reads nothing)."""
+    """Columns ``[start, start + block_k)`` of the program's weight rows (past the last column the mask
+    reads nothing); the CUDA-core kernel loads each one a step ahead of its use."""
     cols = start + tl.arange(0, block_k)
     return tl.load(
         weight_rows + cols[None, :],
