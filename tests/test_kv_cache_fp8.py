@@ -169,6 +169,7 @@ def test_a_float8_pool_takes_a_quarter_of_float32_bytes_and_four_times_the_token
     assert fp8.kv_cache.layers is not None and fp8.kv_cache.layers[0].key.dtype == FP8
     # The C decode kernel reads the model's dtype only: auto picks the PyTorch attention on CPU.
     assert fp8.config.kernels.attention_backend in ("torch", "triton")
+    assert "float8 e4m3" in fp8.describe_startup() and "float8" not in plain.describe_startup()
 
 
 def test_engine_outputs_with_a_float8_pool_follow_the_rounded_keys() -> None:

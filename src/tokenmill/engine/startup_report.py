@@ -38,7 +38,8 @@ def describe_startup(
         + (" (programmatic launch)" if kernels.pdl else ""),
         _graphs(graphs, config.graphs.overlap_decode) + _prefill_graphs(prefill_graphs),
         f"KV {config.kv.mode}: {kv.pool_tokens} tokens ({kv.pool_bytes() / 2**30:.2f} GiB)"
-        + (", prefix caching" if config.kv.prefix_caching else ""),
+        + (", prefix caching" if config.kv.prefix_caching else "")
+        + (", float8 e4m3" if config.kv.kv_cache_dtype != "auto" else ""),
         f"max_num_seqs {scheduler.max_running}, {scheduler.token_budget} tokens per step"
         + (", chunked prefill" if scheduler.chunked_prefill else ""),
         _host_threads(torch.get_num_threads()),
