@@ -136,45 +136,10 @@ prmt.b32 $3, u, m, 0x7543;
 }""")
 
 
-# int8 -> bfloat16, 4 weights a call (bf16 has 7 mantissa bits: no single magic number covers 256 values).
-#   prmt 0x4140 with b = 0x43434343: 16-bit lanes (0x43b0, 0x43b1), b_i the raw two's-complement byte.
-#   lane & 0x437F = bf16 0x43 | low 7 bits m = 128 + m (exponent 2^7, mantissa m: ulp 1);
-#   lane & 0x4380 = bf16 128 (sign bit 0) or 0x4380 = 256 (sign bit 1);
-#   difference: m (v >= 0) or 128 + m - 256 = m - 128 = v (v < 0), exact. sub.bf16x2 is sm_90+.
-_INT8_TO_BF16_ASM = tl.constexpr("""{
-.reg .b32 a, b, c, lo, hi;
-mov.b32 c, 0x43434343;
-prmt.b32 a, $2, c, 0x4140;
-prmt.b32 b, $2, c, 0x4342;
-and.b32 lo, a, 0x437F437F;
-and.b32 hi, a, 0x43804380;
-sub.rn.bf16x2 $0, lo, hi;
-and.b32 lo, b, 0x437F437F;
-and.b32 hi, b, 0x43804380;
-sub.rn.bf16x2 $1, lo, hi;
-}""")
-
-# float8 e4m3 (s eeee mmm, bias 7) -> bfloat16, 4 weights a call, no conversion instruction:
-#   prmt 0x9180 / 0xB3A2: 16-bit lanes holding b0, b1 (b2, b3) sign-extended (a selector nibble with its
-#   top bit set replicates the sign of the byte it names: nibbles 0, 8, 1, 9 = b0, sign(b0), b1, sign(b1));
-#   shl 4 then & 0x87F0 per lane: the sign lands in bit 15, eeeemmm in bits 10..4 (the sign bits shifted
-#   into the next lane's bits 0..3 are masked off). That is the bf16 with exponent field eeee and mantissa
-#   mmm0000: the e4m3 value times 2^-120 (bias 127 vs 7), subnormals included (both formats' subnormals
-#   have the same 2^(1 - bias) step). mul by bf16 2^120 (0x7B80) restores it exactly (a power of two, the
-#   result a normal bf16). mul.bf16x2 is sm_90+. NaN codes would give finite values (not in the weights).
-_E4M3_TO_BF16_ASM = tl.constexpr("""{
-.reg .b32 a, b, z, k;
-mov.b32 z, 0;
-prmt.b32 a, $2, z, 0x9180;
-prmt.b32 b, $2, z, 0xB3A2;
-shl.b32 a, a, 4;
-shl.b32 b, b, 4;
-and.b32 a, a, 0x87F087F0;
-and.b32 b, b, 0x87F087F0;
-mov.b32 k, 0x7B807B80;
-mul.rn.bf16x2 $0, a, k;
-mul.rn.bf16x2 $1, b, k;
-}""")
+# int8 / e4m3 -> bfloat16, 4 weights a call: the engine's own packed PTX (kernels/gemv_tensor_core.py,
+# where each step is explained), so the sweep times what the engine runs.
+from tokenmill.kernels.gemv_tensor_core import E4M3_TO_BF16_PTX as _E4M3_TO_BF16_ASM  # noqa: E402
+from tokenmill.kernels.gemv_tensor_core import INT8_TO_BF16_PTX as _INT8_TO_BF16_ASM  # noqa: E402
 
 
 @triton.jit

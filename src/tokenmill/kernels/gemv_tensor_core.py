@@ -10,11 +10,12 @@ conversion is all the arithmetic left (for bfloat16 inputs a few packed bit oper
 below). Every row of the product holds the same sums; row 0 is kept. The prologues (RMSNorm with the
 residual add) are computed as the CUDA-core kernel computes them (``kernels/gemv_tiles.py``), rounded to
 the input dtype before the product. Measured on the H200 at Llama-3.1-8B's shapes (reports/gpu/
-quantized-llama-3.1-8b/gemv8-tensor-core.md): gate/up 37.0 -> 31.4 µs (int8) and 44.3 -> 30.6 µs (fp8),
-the LM head 152 -> 123 µs and 184 -> 123 µs; narrower outputs (q/k/v, o, down) gain nothing without a
-split over the input features, which a norm prologue does not allow, and stay on the CUDA cores. In the
-engine (batch-1 decode, same run) fp8 went 271.4 -> 291.1 tok/s, but int8 319.2 -> 309.8: with the norm
-prologue int8's CUDA-core kernel, whose conversion is cheaper than e4m3's, is the faster one there.
+quantized-llama-3.1-8b/tensor-core-gemv/README.md): gate/up 37.0 -> 31.7 µs (int8) and 44.3 -> 31.5 µs
+(fp8), the LM head 152.4 -> 123.3 µs and 184.3 -> 123.8 µs. Narrower outputs (q/k/v, o, down) gain only
+with a split over the input features (not built: q/k/v's norm prologue needs the whole row) and stay on
+the CUDA cores. In the engine (batch-1 decode, same run) fp8 went 271.4 -> 291.1 tok/s, but int8 319.2
+-> 309.8: with the norm prologue int8's CUDA-core kernel, whose conversion is cheaper than e4m3's, is the
+faster one there.
 """
 
 import torch
@@ -30,7 +31,7 @@ DOT_ROWS = tl.constexpr(16)  # the smallest M of a tensor-core dot; the input ro
 # codes). prmt 0x4140 / 0x4342 with b = 0x43434343 puts the raw bytes b_i into 16-bit lanes 0x43b_i;
 # lane & 0x437F is the bf16 128 + (b_i & 127), lane & 0x4380 the bf16 128 (sign bit clear) or 256 (set);
 # their difference is the byte's two's-complement value, exactly. sub.rn.bf16x2 needs sm_90.
-_INT8_TO_BF16 = tl.constexpr("""{
+INT8_TO_BF16_PTX = tl.constexpr("""{
 .reg .b32 a, b, c, lo, hi;
 mov.b32 c, 0x43434343;
 prmt.b32 a, $2, c, 0x4140;
@@ -47,7 +48,7 @@ sub.rn.bf16x2 $1, lo, hi;
 # (2, 3) sign-extended into 16-bit lanes; shifted left 4 and masked with 0x87F0 each lane is the bf16
 # with the sign, exponent field eeee and mantissa mmm0000: the e4m3 value times 2^-120 (biases 127 and 7),
 # subnormals included. Multiplying by the bf16 2^120 (0x7B80) restores it exactly. mul.rn.bf16x2: sm_90.
-_E4M3_TO_BF16 = tl.constexpr("""{
+E4M3_TO_BF16_PTX = tl.constexpr("""{
 .reg .b32 a, b, z, k;
 mov.b32 z, 0;
 prmt.b32 a, $2, z, 0x9180;
@@ -69,11 +70,11 @@ def _converted(weight: tl.tensor, dtype: tl.constexpr, packed: tl.constexpr) -> 
     if packed:
         if weight.dtype == tl.int8:
             return tl.inline_asm_elementwise(
-                _INT8_TO_BF16, "=r,=r,r", [weight], dtype=tl.bfloat16, is_pure=True, pack=4
+                INT8_TO_BF16_PTX, "=r,=r,r", [weight], dtype=tl.bfloat16, is_pure=True, pack=4
             )
         bits = weight.to(tl.int8, bitcast=True)
         return tl.inline_asm_elementwise(
-            _E4M3_TO_BF16, "=r,=r,r", [bits], dtype=tl.bfloat16, is_pure=True, pack=4
+            E4M3_TO_BF16_PTX, "=r,=r,r", [bits], dtype=tl.bfloat16, is_pure=True, pack=4
         )
     return weight.to(dtype)
 

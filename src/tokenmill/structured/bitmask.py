@@ -130,8 +130,10 @@ class BitmaskStaging:
         """``matchers`` are about to move: a background fill reading them must end first, and their rows
         filled ahead no longer hold."""
         ahead = self._ahead
+        if ahead is None:
+            return
         moving = {id(matcher) for matcher in matchers}
-        if ahead is not None and any(id(filled) in moving for filled in ahead.matchers):
+        if any(id(filled) in moving for filled in ahead.matchers):
             ahead.done.result()
             ahead.matchers = [m if id(m) not in moving else _MOVED for m in ahead.matchers]
 
