@@ -87,6 +87,24 @@ def test_explicit_settings_win_and_auto_follows_what_applies() -> None:
     assert resolved(CPU, max_num_batched_tokens=512).scheduler.max_num_batched_tokens == 512
 
 
+def test_speculation_guesses_more_tokens_per_step_with_ngram_on_a_gpu() -> None:
+    """k auto: 12 n-gram guesses on a GPU (a batch-1 verification step is launch-bound there), 4 on a CPU
+    and for a draft model anywhere; an explicit k and an explicit cutoff win."""
+
+    def spec(platform: Platform, **options: Any) -> tuple[int | None, int | None]:
+        resolved_spec = resolved(platform, **options).speculative
+        return resolved_spec.num_speculative_tokens, resolved_spec.disable_by_batch_size
+
+    assert spec(HOPPER, speculative_method="ngram") == (12, 32)
+    assert spec(CPU, speculative_method="ngram") == (4, 8)
+    draft = {"speculative_method": "draft_model", "speculative_model": "llama-3.2-1b"}
+    assert spec(HOPPER, **draft) == (4, 32)
+    assert spec(HOPPER, speculative_method="ngram", num_speculative_tokens=3) == (3, 32)
+    assert spec(CPU, speculative_method="ngram", speculative_disable_by_batch_size=2) == (4, 2)
+    with pytest.raises(ValueError, match="num_speculative_tokens is auto"):
+        _ = EngineConfig().with_options(speculative_method="ngram").speculative.num_tokens
+
+
 def test_the_cli_has_a_no_flag_for_each_default_on_feature() -> None:
     args = build_parser().parse_args(
         ["generate", "hi", "--no-prefix-caching", "--no-chunked-prefill", "--attention-backend", "auto"]

@@ -9,7 +9,8 @@ name, unique across groups, which is its command-line flag (``--max-num-seqs``) 
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from tokenmill.config_speculative import speculative_options
+from tokenmill.config_checks import require, require_at_least_one, require_choice
+from tokenmill.config_speculative import SpeculativeConfig, speculative_options
 
 KVCacheMode = Literal["none", "contiguous", "paged"]
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
@@ -18,7 +19,6 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 AdmissionRule = Literal["fit", "headroom", "lookahead"]
 AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
 StructuredOutputBackendName = Literal["llguidance", "xgrammar"]
-SpeculativeMethod = Literal["ngram", "draft_model"]
 QuantizationMethod = Literal["none", "int8", "fp8", "gguf"]
 FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_rms_norm",
@@ -29,19 +29,6 @@ FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_decode_rotary_kv",
     "fused_sampling",
 )
-
-
-def _require(ok: bool, name: str, requirement: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"EngineConfig.{name} must be {requirement}, got {value!r}")
-
-
-def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    _require(value in choices, name, f"one of {choices}", value)
-
-
-def _require_at_least_one(name: str, value: int | None) -> None:
-    _require(value is None or value >= 1, name, "at least 1", value)
 
 
 @dataclass(frozen=True)
@@ -64,15 +51,15 @@ class KVCacheConfig:
     kv_cache_dtype: KVCacheDtype = "auto"
 
     def __post_init__(self) -> None:
-        _require_choice("kv_cache", self.mode, ("none", "contiguous", "paged"))
-        _require_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8", "fp8_e4m3"))
-        _require(self.block_size >= 1, "block_size", "at least 1", self.block_size)
-        _require_at_least_one("num_kv_blocks", self.num_blocks)
+        require_choice("kv_cache", self.mode, ("none", "contiguous", "paged"))
+        require_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8", "fp8_e4m3"))
+        require(self.block_size >= 1, "block_size", "at least 1", self.block_size)
+        require_at_least_one("num_kv_blocks", self.num_blocks)
         utilization = self.gpu_memory_utilization
-        _require(0 < utilization <= 1, "gpu_memory_utilization", "in (0, 1]", utilization)
+        require(0 < utilization <= 1, "gpu_memory_utilization", "in (0, 1]", utilization)
         positive = self.cpu_kv_cache_gib is None or self.cpu_kv_cache_gib > 0
-        _require(positive, "cpu_kv_cache_gib", "positive (or None: sized)", self.cpu_kv_cache_gib)
-        _require(
+        require(positive, "cpu_kv_cache_gib", "positive (or None: sized)", self.cpu_kv_cache_gib)
+        require(
             not (self.prefix_caching and self.mode != "paged"),
             "prefix_caching",
             "off unless kv_cache is 'paged' (cached prefixes are shared blocks)",
@@ -103,16 +90,14 @@ class SchedulerConfig:
     admission_headroom: float = 0.0  # with admission="headroom": the share of remaining output kept free
 
     def __post_init__(self) -> None:
-        _require_choice("batching", self.batching, ("sequential", "static", "continuous"))
-        _require_choice("scheduling_policy", self.policy, ("fcfs", "priority"))
-        _require_choice("admission", self.admission, ("fit", "headroom", "lookahead"))
-        _require_at_least_one("max_num_seqs", self.max_num_seqs)
-        _require_at_least_one("max_num_batched_tokens", self.max_num_batched_tokens)
-        _require_at_least_one("prefill_chunk_size", self.prefill_chunk_size)
-        _require(
-            0 <= self.admission_headroom <= 1, "admission_headroom", "in [0, 1]", self.admission_headroom
-        )
-        _require(
+        require_choice("batching", self.batching, ("sequential", "static", "continuous"))
+        require_choice("scheduling_policy", self.policy, ("fcfs", "priority"))
+        require_choice("admission", self.admission, ("fit", "headroom", "lookahead"))
+        require_at_least_one("max_num_seqs", self.max_num_seqs)
+        require_at_least_one("max_num_batched_tokens", self.max_num_batched_tokens)
+        require_at_least_one("prefill_chunk_size", self.prefill_chunk_size)
+        require(0 <= self.admission_headroom <= 1, "admission_headroom", "in [0, 1]", self.admission_headroom)
+        require(
             not (self.admission_headroom and self.admission != "headroom"),
             "admission_headroom",
             "0 unless admission is 'headroom' (the share applies to that rule only)",
@@ -166,11 +151,11 @@ class KernelConfig:
     programmatic_launch: bool | None = None
 
     def __post_init__(self) -> None:
-        _require_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton", "cpu"))
+        require_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton", "cpu"))
         for name in (*FUSED_KERNEL_TOGGLES, "programmatic_launch"):
             value = getattr(self, name)
-            _require(value is None or isinstance(value, bool), name, "None (auto), True or False", value)
-        _require(
+            require(value is None or isinstance(value, bool), name, "None (auto), True or False", value)
+        require(
             not (self.fused_decode_rotary_kv and self.attention_backend in ("torch", "cpu")),
             "fused_decode_rotary_kv",
             f"off when attention_backend is {self.attention_backend!r} (part of the Triton decode kernel)",
@@ -198,60 +183,13 @@ class CudaGraphConfig:
     overlap_decode: bool | None = None
 
     def __post_init__(self) -> None:
-        _require(self.max_batch_size >= 1, "cuda_graph_max_batch_size", "at least 1", self.max_batch_size)
-        _require(
+        require(self.max_batch_size >= 1, "cuda_graph_max_batch_size", "at least 1", self.max_batch_size)
+        require(
             not (self.overlap_decode and self.enabled is False),
             "overlap_decode",
             "off unless cuda_graphs is on (it overlaps graph replays)",
             self.overlap_decode,
         )
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding: a proposer guesses up to ``num_speculative_tokens`` next tokens, the model
-    checks them in one step, a rejection sampler keeps exactly its output distribution. ``ngram``: prompt
-    lookup (what followed the last earlier occurrence of the output's last ``prompt_lookup_min`` to
-    ``_max`` tokens); ``draft_model``: a smaller ``model`` with the same vocabulary. None: off."""
-
-    method: SpeculativeMethod | None = None
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    model: str | None = None  # draft_model: the draft (a short name, folder, .gguf or preset)
-    load_format: str = "auto"  # draft_model: "dummy" for random weights of a preset
-    # No guesses while this many sequences run (a large batch is compute-bound: verifying 1 + k tokens
-    # each costs more than it saves). None (auto): 8 on CPU, 32 on a GPU.
-    disable_by_batch_size: int | None = None
-
-    def __post_init__(self) -> None:
-        _require(
-            self.method in (None, "ngram", "draft_model"),
-            "speculative_method",
-            "None (off), 'ngram' or 'draft_model'",
-            self.method,
-        )
-        _require(
-            1 <= self.num_speculative_tokens <= 32,
-            "num_speculative_tokens",
-            "in [1, 32]",
-            self.num_speculative_tokens,
-        )
-        _require(self.prompt_lookup_min >= 1, "prompt_lookup_min", "at least 1", self.prompt_lookup_min)
-        _require(
-            self.prompt_lookup_max >= self.prompt_lookup_min,
-            "prompt_lookup_max",
-            f"at least prompt_lookup_min ({self.prompt_lookup_min})",
-            self.prompt_lookup_max,
-        )
-        _require(
-            (self.method == "draft_model") == (self.model is not None),
-            "speculative_model",
-            "set exactly when speculative_method is 'draft_model'",
-            self.model,
-        )
-        _require_choice("speculative_load_format", self.load_format, ("auto", "dummy"))
-        _require_at_least_one("speculative_disable_by_batch_size", self.disable_by_batch_size)
 
 
 @dataclass(frozen=True)
@@ -297,34 +235,34 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
-        _require_at_least_one("max_model_len", self.max_model_len)
-        _require_choice("quantization", self.quantization, ("none", "int8", "fp8", "gguf"))
-        _require_at_least_one("tensor_parallel_size", self.tensor_parallel_size)
+        require_at_least_one("max_model_len", self.max_model_len)
+        require_choice("quantization", self.quantization, ("none", "int8", "fp8", "gguf"))
+        require_at_least_one("tensor_parallel_size", self.tensor_parallel_size)
         if self.host_threads is not None:
-            _require_at_least_one("host_threads", self.host_threads)
-        _require_choice(
+            require_at_least_one("host_threads", self.host_threads)
+        require_choice(
             "structured_output_backend", self.structured_output_backend, ("llguidance", "xgrammar")
         )
-        _require(
+        require(
             not (self.scheduler.chunked_prefill and self.kv.mode == "none"),
             "chunked_prefill",
             "off when kv_cache is 'none' (a recomputed sequence has no cache to continue from)",
             self.scheduler.chunked_prefill,
         )
-        _require(
+        require(
             not (self.graphs.enabled and self.kernels.attention_backend == "torch"),
             "cuda_graphs",
             "off when attention_backend is 'torch' (its KV write reads a mask back to the host, which a "
             "CUDA graph cannot capture)",
             self.graphs.enabled,
         )
-        _require(
+        require(
             not (self.push_all_reduce and self.custom_all_reduce is False),
             "push_all_reduce",
             "off when custom_all_reduce is off (the push kernel is part of the symmetric-memory path)",
             self.push_all_reduce,
         )
-        _require(
+        require(
             not (self.graphs.enabled and self.kv.mode == "none"),
             "cuda_graphs",
             "off when kv_cache is 'none' (without a cache no step is a one-token decode)",

@@ -1,7 +1,12 @@
-"""``speculative_config``, the way vLLM takes speculative decoding's settings: one dict, its keys as
-vLLM names them, read into the flat options of ``EngineConfig.speculative``."""
+"""``EngineConfig.speculative`` (:class:`SpeculativeConfig`), and ``speculative_config``, the way vLLM
+takes speculative decoding's settings: one dict, its keys as vLLM names them, read into its flat options."""
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tokenmill.config_checks import require, require_at_least_one, require_choice
+
+SpeculativeMethod = Literal["ngram", "draft_model"]
 
 SPECULATIVE_CONFIG_KEYS: dict[str, str] = {
     "method": "speculative_method",
@@ -30,3 +35,60 @@ def speculative_options(speculative_config: dict[str, Any] | None) -> dict[str, 
     if options.get("speculative_model") is not None and "speculative_method" not in options:
         options["speculative_method"] = "draft_model"
     return options
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses up to ``num_speculative_tokens`` next tokens, the model
+    checks them in one step, a rejection sampler keeps exactly its output distribution. ``ngram``: prompt
+    lookup (what followed the last earlier occurrence of the output's last ``prompt_lookup_min`` to
+    ``_max`` tokens); ``draft_model``: a smaller ``model`` with the same vocabulary. None: off."""
+
+    method: SpeculativeMethod | None = None
+    # None (auto): 12 for ngram on a GPU (a batch-1 verification step costs about the same for 5 or 13
+    # tokens there: launch-bound), else 4 (on the CPU 8 measured no better; a draft model's round grows
+    # with k).
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft_model: the draft (a short name, folder, .gguf or preset)
+    load_format: str = "auto"  # draft_model: "dummy" for random weights of a preset
+    # No guesses while this many sequences run (a large batch is compute-bound: verifying 1 + k tokens
+    # each costs more than it saves). None (auto): 8 on CPU, 32 on a GPU.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        require(
+            self.method in (None, "ngram", "draft_model"),
+            "speculative_method",
+            "None (off), 'ngram' or 'draft_model'",
+            self.method,
+        )
+        require(
+            self.num_speculative_tokens is None or 1 <= self.num_speculative_tokens <= 32,
+            "num_speculative_tokens",
+            "in [1, 32] (or None: auto)",
+            self.num_speculative_tokens,
+        )
+        require(self.prompt_lookup_min >= 1, "prompt_lookup_min", "at least 1", self.prompt_lookup_min)
+        require(
+            self.prompt_lookup_max >= self.prompt_lookup_min,
+            "prompt_lookup_max",
+            f"at least prompt_lookup_min ({self.prompt_lookup_min})",
+            self.prompt_lookup_max,
+        )
+        require(
+            (self.method == "draft_model") == (self.model is not None),
+            "speculative_model",
+            "set exactly when speculative_method is 'draft_model'",
+            self.model,
+        )
+        require_choice("speculative_load_format", self.load_format, ("auto", "dummy"))
+        require_at_least_one("speculative_disable_by_batch_size", self.disable_by_batch_size)
+
+    @property
+    def num_tokens(self) -> int:
+        """``num_speculative_tokens`` as the engine resolved it for its hardware (auto: see above)."""
+        if self.num_speculative_tokens is None:
+            raise ValueError("num_speculative_tokens is auto until an engine resolves it for its device")
+        return self.num_speculative_tokens

@@ -106,6 +106,7 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self.texts: dict[Sequence, StopStringDetokenizer] = {}
         self._pending: list[RequestDelta] = []
+        self._num_guessing = 0  # sequences the proposer gave guesses for the step running now
         self.warm_start = self.warm_up() if self.config.warm_start else None
         torch.manual_seed(config.seed)
         self.startup_seconds = time.perf_counter() - started
@@ -271,7 +272,8 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         if self.proposer is not None:
             cutoff = self.config.speculative.disable_by_batch_size
-            propose_drafts(self.proposer, self.scheduler.running, self.max_model_len, cutoff)
+            running = self.scheduler.running
+            self._num_guessing = propose_drafts(self.proposer, running, self.max_model_len, cutoff)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             deltas, self._pending = self._pending, []
@@ -309,12 +311,13 @@ class LLMEngine:
 
     def _can_start_next_step(self, step: PendingStep) -> bool:
         """Whether to enqueue the decode step after ``step`` before reading it (overlapped decode). With a
-        proposer, only while no step speculates (``disable_by_batch_size`` or more sequences run): the
-        shape of a speculating step depends on guesses made from ``step``'s tokens. Should the batch
-        shrink below the cutoff meanwhile, the started step does not match the next and is dropped."""
+        proposer, while no step speculates (``disable_by_batch_size`` or more sequences run) or after it
+        guessed nothing for ``step`` (the next step's shape depends on guesses from ``step``'s tokens, and
+        text that does not copy most likely still does not). If guesses come, or the batch changes, the
+        started step does not match the next and is dropped: wasted work the next step waits behind."""
         if not self.runner.can_start_next_step(step):
             return False
-        if self.proposer is None:
+        if self.proposer is None or self._num_guessing == 0:
             return True
         cutoff = self.config.speculative.disable_by_batch_size
         return cutoff is not None and len(self.scheduler.running) >= cutoff
@@ -361,7 +364,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            spec_decode=dataclasses.replace(seq.spec) if self.proposer is not None else None,
+            spec_decode=seq.spec.snapshot() if self.proposer is not None else None,
         )
 
     def _forget_finished(self, deltas: list[RequestDelta]) -> list[RequestDelta]:

@@ -81,7 +81,7 @@ class DraftModelProposer(Proposer):
                 f"fewer than max_model_len ({max_model_len})"
             )
         return cls(
-            spec.num_speculative_tokens,
+            spec.num_tokens,
             _draft_runner(config, draft, max_model_len, options),
             draft.config.vocab_size,
         )

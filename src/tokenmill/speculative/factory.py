@@ -20,7 +20,7 @@ def create_proposer(
     if spec.method is None:
         return None
     if spec.method == "ngram":
-        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer(spec.num_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
     from tokenmill.speculative.draft_model import DraftModelProposer  # imports the runner
 
     return DraftModelProposer.load(config, target, max_model_len, options, draft)

@@ -47,18 +47,21 @@ def wants_drafts(seq: Seq) -> bool:
 
 def propose_drafts(
     proposer: Proposer, running: abc.Sequence[Seq], max_model_len: int, max_batch: int | None = None
-) -> None:
+) -> int:
     """Give each running sequence that wants them the proposer's guesses for the next step; none while
-    ``max_batch`` or more sequences run."""
+    ``max_batch`` or more sequences run. Returns how many sequences got at least one guess."""
     if max_batch is not None and len(running) >= max_batch:
-        return
+        return 0
     seqs = [seq for seq in running if wants_drafts(seq)]
     if not seqs:
-        return
+        return 0
     k = proposer.num_speculative_tokens
     limits = [
         min(k, seq.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1) for seq in seqs
     ]
+    guessing = 0
     for seq, proposal in zip(seqs, proposer.propose(seqs, limits), strict=True):
         seq.draft_token_ids = proposal.token_ids
         seq.draft_probs = proposal.probs
+        guessing += bool(proposal.token_ids)
+    return guessing

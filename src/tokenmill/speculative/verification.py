@@ -52,6 +52,9 @@ def verify_step(
         bitmask = structured.bitmask(grammars)
     device = logits.device
     batch = SamplingBatch.build(rows, vocab_size, device, bitmask)
+    unedited = not batch.needs_logit_edits and bitmask is None
+    if batch.draw is None and unedited and batch.max_num_logprobs is None:
+        return _greedy_verification(chunks, logits.argmax(dim=-1).tolist())
     masked = logits.float()
     if bitmask is not None:
         masked = apply_token_bitmask(masked, bitmask)
@@ -68,6 +71,27 @@ def verify_step(
         wanted = seq.params.logprobs is not None
         out[seq] = [(token, entry if wanted else None) for token, entry in zip(kept, entries, strict=True)]
         first += count
+    return out
+
+
+def _greedy_verification(
+    chunks: Sequence[ScheduledChunk], argmax: list[int]
+) -> dict[Seq, list[tuple[int, RowLogprobs | None]]]:
+    """What :func:`verify` decides for greedy rows with nothing to edit, from the logits' argmax alone:
+    each chunk keeps its draft tokens while they equal the argmax, then the argmax of the first row that
+    differs (or of its last row). One small read back, no other device work."""
+    out: dict[Seq, list[tuple[int, RowLogprobs | None]]] = {}
+    first = 0
+    for chunk in chunks:
+        drafts = chunk.seq.draft_tokens[: chunk.num_draft_tokens]
+        kept: list[tuple[int, RowLogprobs | None]] = []
+        for offset in range(chunk.num_sampled_rows):
+            token = argmax[first + offset]
+            kept.append((token, None))
+            if offset == len(drafts) or drafts[offset] != token:
+                break
+        out[chunk.seq] = kept
+        first += chunk.num_sampled_rows
     return out
 
 

@@ -115,9 +115,9 @@ def ngram_part(args: argparse.Namespace, loaded: LoadedModel) -> tuple[list[Time
     open_chats = [_chat(loaded, text) for text in prompts.open_ended(args.batch_size)]
     batch = SamplingParams(temperature=0, max_tokens=args.batch_output_len, ignore_eos=True)
     batches: dict[str, list[TimedRun]] = {side: [] for side in engines}
-    for _ in range(2):  # off, on, off, on: load from elsewhere hits both alike
-        for side, engine in engines.items():
-            batches[side].append(all_at_once(f"open-ended, {side}", engine, open_chats, batch))
+    for round_sides in (["off", "on"], ["on", "off"]):  # off, on, on, off: load and order hit both alike
+        for side in round_sides:
+            batches[side].append(all_at_once(f"open-ended, {side}", engines[side], open_chats, batch))
     pair = [merged(f"open-ended, {side}", side_runs) for side, side_runs in batches.items()]
     print(describe_pair("open-ended", *pair), flush=True)
     runs += pair
@@ -125,8 +125,9 @@ def ngram_part(args: argparse.Namespace, loaded: LoadedModel) -> tuple[list[Time
         f"SmolLM2-style chat prompts, greedy; batch 1: {len(prompts.CODE_EDITING)} code-editing and "
         f"{len(prompts.COPY_MIX)} copy-heavy prompts, up to {args.max_tokens} tokens each; batch "
         f"{args.batch_size}: open-ended prompts, {args.batch_output_len} tokens each (EOS ignored), run "
-        "twice, alternating; "
-        f"n-gram k={spec.num_speculative_tokens}, n={spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
+        "twice each, off-on-on-off; "
+        f"n-gram k={engines['on'].config.speculative.num_tokens}, n={spec.prompt_lookup_min}.."
+        f"{spec.prompt_lookup_max}"
     )
     header = header_lines(
         "tokenmill speculative decoding (n-gram)",
@@ -227,7 +228,8 @@ def render(runs: Sequence[TimedRun], batch_size: int, device_type: str = "cpu") 
         "the model's own token, per step that verified drafts; tokens / step: per decode step of any kind",
         "- no step speculates while speculative_disable_by_batch_size or more sequences run (auto: 8 on "
         "CPU, 32 on a GPU); on a GPU, batch-1 verification steps run through the one-sequence prefill "
-        "graphs, batched ones eagerly; decode steps are overlapped only while no step can speculate",
+        "graphs, batched ones eagerly; decode steps are overlapped while no step can speculate or after a "
+        "step without guesses",
     ]
 
 

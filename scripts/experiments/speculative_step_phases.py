@@ -1,0 +1,243 @@
+"""Exploration for issue 17: where a batch-1 speculative step's time goes on the GPU, and what the overlap
+policy buys. Runs `bench speculative`'s code-editing and copy-mix prompts one at a time (greedy) through
+engines with speculation off and on (n-gram, each k given), every prompt off then on before the next:
+
+* ``on`` starts plain decode steps ahead after a step without guesses (the engine's policy);
+* ``on-no-overlap`` never starts a step ahead while below ``speculative_disable_by_batch_size`` (the
+  policy before it);
+
+then, with ``--phases``, times the engine's methods in one more ``on`` run, per kind of step (verifying
+guesses or plain), and times the replay of a decode graph and of the prefill graph a verification step
+uses, alone on the GPU.
+
+    python scripts/experiments/speculative_step_phases.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
+        --ks 4,8 [--phases]
+"""
+
+import argparse
+import collections
+import functools
+import statistics
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.benchmarks import common, kernel_profile
+from tokenmill.benchmarks.speculative import prompts
+from tokenmill.benchmarks.speculative.timing import TimedRun, merged, one_at_a_time
+from tokenmill.config import EngineConfig
+from tokenmill.engine import llm_engine
+from tokenmill.loading import LoadedModel
+from tokenmill.runner import model_runner, prefill_graphs
+from tokenmill.runner.model_runner import PendingStep
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler import scheduler
+from tokenmill.speculative import verification
+
+PHASES: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+CURRENT: dict[str, float] = collections.defaultdict(float)
+STEP_KIND = {"verify": False}
+TIMED: list[tuple[Any, str]] = [
+    (llm_engine, "propose_drafts"),
+    (llm_engine.LLMEngine, "_token_delta"),
+    (scheduler.Scheduler, "schedule"),
+    (scheduler.Scheduler, "update"),
+    (scheduler.Scheduler, "reserve_next_step"),
+    (model_runner.ModelRunner, "execute"),
+    (model_runner.ModelRunner, "start_next_step"),
+    (model_runner.ModelRunner, "_sample"),
+    (model_runner.ModelRunner, "_compute_logits"),
+    (model_runner, "verify_step"),
+    (verification, "accepted_prefixes"),
+    (verification, "_draft_tensors"),
+    (prefill_graphs.PrefillGraphRunner, "run"),
+    (model_runner.PendingStep, "result"),
+]
+
+
+def timed(label: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            CURRENT[label] += time.perf_counter() - started
+
+    return wrapper
+
+
+def wrap_phases() -> None:
+    for owner, name in TIMED:
+        label = f"{getattr(owner, '__name__', owner)}.{name}".rsplit(".", 2)[-2:]
+        setattr(owner, name, timed(".".join(label), getattr(owner, name)))
+    schedule = scheduler.Scheduler.schedule
+
+    def classified(self: Any) -> Any:
+        out = schedule(self)
+        STEP_KIND["verify"] = any(chunk.num_draft_tokens for chunk in out.chunks)
+        return out
+
+    scheduler.Scheduler.schedule = classified  # type: ignore[method-assign]
+
+
+def no_overlap_while_speculating(self: Any, step: PendingStep) -> bool:
+    """The policy before: with a proposer, start ahead only at or above the batch-size cutoff."""
+    if not self.runner.can_start_next_step(step):
+        return False
+    cutoff = self.config.speculative.disable_by_batch_size
+    return cutoff is not None and len(self.scheduler.running) >= cutoff
+
+
+def engines(
+    base: EngineConfig, loaded: LoadedModel, ks: list[int], old_policy: bool
+) -> dict[str, llm_engine.LLMEngine]:
+    out = {"off": llm_engine.LLMEngine(base.with_options(speculative_method=None), loaded=loaded)}
+    for k in ks:
+        config = base.with_options(speculative_method="ngram", num_speculative_tokens=k)
+        out[f"on k={k}"] = llm_engine.LLMEngine(config, loaded=loaded)
+        if not old_policy:
+            continue
+        old = llm_engine.LLMEngine(config, loaded=loaded)
+        old._can_start_next_step = types.MethodType(no_overlap_while_speculating, old)  # type: ignore[method-assign]
+        out[f"on-no-overlap k={k}"] = old
+    return out
+
+
+def compare(loaded: LoadedModel, named: dict[str, llm_engine.LLMEngine], max_tokens: int) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+    chat = loaded.tokenizer.apply_chat_template  # type: ignore[union-attr]
+    hello = chat([{"role": "user", "content": "Say hi."}], True, tokenize=True)
+    for engine in named.values():
+        one_at_a_time("warm-up", engine, [hello], SamplingParams(temperature=0, max_tokens=8))
+    for workload, texts in {"code editing": prompts.CODE_EDITING, "copy mix": prompts.COPY_MIX}.items():
+        runs: dict[str, list[TimedRun]] = {name: [] for name in named}
+        for text in texts:
+            tokens = chat([{"role": "user", "content": text}], True, tokenize=True)
+            for name, engine in named.items():
+                runs[name].append(one_at_a_time(name, engine, [tokens], greedy))
+        off = merged("off", runs["off"])
+        for name in named:
+            run = merged(name, runs[name])
+            same = sum(a == b for a, b in zip(run.outputs, off.outputs, strict=True))
+            rate, steps = run.decode_tok_s, max(run.num_decode_steps, 1)
+            print(
+                f"{workload:12s} {name:22s} {rate:8.1f} tok/s ({rate / off.decode_tok_s:.2f}x) step "
+                f"{run.step_s * 1e3:.3f} ms, acceptance {run.spec.acceptance_rate:.2f}, per verification "
+                f"{run.spec.mean_accepted_length:.2f}, per step {run.num_decode_tokens / steps:.2f}, "
+                f"verifications {run.spec.num_steps}/{steps} steps, same tokens as off {same}/{len(texts)}",
+                flush=True,
+            )
+
+
+def phases(loaded: LoadedModel, engine: llm_engine.LLMEngine, max_tokens: int) -> None:
+    wrap_phases()
+    chat = loaded.tokenizer.apply_chat_template  # type: ignore[union-attr]
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+    steps: dict[str, list[float]] = {"verify": [], "plain": []}
+    for index, text in enumerate(prompts.CODE_EDITING):
+        tokens = chat([{"role": "user", "content": text}], True, tokenize=True)
+        engine.add_request(f"phases-{index}", tokens, greedy)
+        first = True
+        while engine.has_unfinished_requests():
+            CURRENT.clear()
+            started = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - started
+            if first:  # the prefill
+                first = False
+                continue
+            kind = "verify" if STEP_KIND["verify"] else "plain"
+            steps[kind].append(elapsed)
+            for label, seconds in CURRENT.items():
+                PHASES[kind][label] += seconds
+    for kind, times in steps.items():
+        if not times:
+            continue
+        print(f"{kind}: {len(times)} steps, mean {statistics.mean(times) * 1e3:.3f} ms, median "
+              f"{statistics.median(times) * 1e3:.3f}")  # fmt: skip
+        for label, seconds in sorted(PHASES[kind].items(), key=lambda item: -item[1]):
+            print(f"  {label:36s} {seconds / len(times) * 1e3:7.3f} ms a step")
+
+
+def replay_times(engine: llm_engine.LLMEngine) -> None:
+    runner = engine.runner
+    sets = [("decode", runner.decode_graphs), ("prefill", runner.prefill_graphs)]
+    for name, graphs in sets:
+        if graphs is None:
+            continue
+        for size, graph in sorted(graphs.graphs.items())[:4]:
+            for _ in range(10):
+                graph.replay()
+            torch.cuda.synchronize()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(200):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            micros = begin.elapsed_time(end) / 200 * 1e3
+            print(f"{name} graph of {size}: {micros:.1f} µs a replay (GPU, back to back)")
+
+
+def profile_graphs(engine: llm_engine.LLMEngine, folder: Path) -> None:
+    """Kernels of 20 replays of the one-row decode graph and of the 16-token prefill graph, by kind."""
+    runner = engine.runner
+    cases = [("decode-1", runner.decode_graphs, 1), ("prefill-16", runner.prefill_graphs, 16)]
+    for label, graphs, size in cases:
+        if graphs is None or size not in graphs.graphs:
+            continue
+        graph = graphs.graphs[size]
+        graph.replay()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            for _ in range(20):
+                graph.replay()
+            torch.cuda.synchronize()
+        path = folder / f"{label}.json"
+        profiler.export_chrome_trace(str(path))
+        summary = kernel_profile.summarize(kernel_profile.read_kernels(path), 0, top=15)
+        print("\n".join(kernel_profile.profile_tables([summary], 20, label)), flush=True)
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--ks", default="4,8")
+    parser.add_argument("--max-tokens", type=int, default=320)
+    parser.add_argument("--phases", action="store_true")
+    parser.add_argument("--profile-dir", type=Path, help="trace graph replays into this folder")
+    parser.add_argument("--dummy", action="store_true", help="random weights (--model names a preset)")
+    parser.add_argument("--no-old-policy", action="store_true", help="skip the on-no-overlap engines")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    load_args = argparse.Namespace(
+        threads=None, device=device, model=args.model, dtype="bfloat16" if device == "cuda" else "float32",
+        load_format="dummy" if args.dummy else "auto", seed=0, tokenizer=None,
+        quantization=None,
+    )  # fmt: skip
+    loaded = common.load_for_args(load_args)
+    base = EngineConfig().with_options(model=args.model, device=device, max_model_len=2048, num_kv_blocks=512)
+    named = engines(base, loaded, [int(k) for k in args.ks.split(",")], not args.no_old_policy)
+    if args.profile_dir is not None:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        one_at_a_time(
+            "warm-up", named["off"], [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=4)
+        )
+        profile_graphs(named["off"], args.profile_dir)
+        return
+    compare(loaded, named, args.max_tokens)
+    first_on = next(name for name in named if name.startswith("on k="))
+    if device == "cuda":
+        replay_times(named[first_on])
+    if args.phases:
+        phases(loaded, named[first_on], args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()
