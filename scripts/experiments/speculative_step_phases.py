@@ -16,14 +16,13 @@ uses, alone on the GPU.
 
 import argparse
 import collections
-import functools
 import statistics
 import time
 import types
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import phase_timers
 import torch
 
 from tokenmill.benchmarks import common, kernel_profile
@@ -39,7 +38,6 @@ from tokenmill.scheduler import scheduler
 from tokenmill.speculative import verification
 
 PHASES: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
-CURRENT: dict[str, float] = collections.defaultdict(float)
 STEP_KIND = {"verify": False}
 TIMED: list[tuple[Any, str]] = [
     (llm_engine, "propose_drafts"),
@@ -59,22 +57,8 @@ TIMED: list[tuple[Any, str]] = [
 ]
 
 
-def timed(label: str, function: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(function)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            CURRENT[label] += time.perf_counter() - started
-
-    return wrapper
-
-
 def wrap_phases() -> None:
-    for owner, name in TIMED:
-        label = f"{getattr(owner, '__name__', owner)}.{name}".rsplit(".", 2)[-2:]
-        setattr(owner, name, timed(".".join(label), getattr(owner, name)))
+    phase_timers.wrap(TIMED)
     schedule = scheduler.Scheduler.schedule
 
     def classified(self: Any) -> Any:
@@ -144,7 +128,7 @@ def phases(loaded: LoadedModel, engine: llm_engine.LLMEngine, max_tokens: int) -
         engine.add_request(f"phases-{index}", tokens, greedy)
         first = True
         while engine.has_unfinished_requests():
-            CURRENT.clear()
+            phase_timers.clear()
             started = time.perf_counter()
             engine.step()
             elapsed = time.perf_counter() - started
@@ -153,7 +137,7 @@ def phases(loaded: LoadedModel, engine: llm_engine.LLMEngine, max_tokens: int) -
                 continue
             kind = "verify" if STEP_KIND["verify"] else "plain"
             steps[kind].append(elapsed)
-            for label, seconds in CURRENT.items():
+            for label, seconds in phase_timers.SECONDS.items():
                 PHASES[kind][label] += seconds
     for kind, times in steps.items():
         if not times:

@@ -9,13 +9,11 @@ one kind only), and the totals per step are printed, longest first.
 """
 
 import argparse
-import collections
-import functools
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
+import phase_timers
 import torch
 
 from tokenmill.benchmarks.common import load_for_args
@@ -32,8 +30,6 @@ from tokenmill.structured import bitmask, manager
 from tokenmill.structured.params import StructuredOutputsParams
 
 FIRST_STEP, LAST_STEP = 20, 180  # decode steps timed (the first ones include prefill)
-TIMES: dict[str, float] = collections.defaultdict(float)
-CALLS: dict[str, int] = collections.defaultdict(int)
 TIMED: list[tuple[Any, str]] = [
     (llm_engine.LLMEngine, "step"),
     (llm_engine.LLMEngine, "_token_delta"),
@@ -51,25 +47,6 @@ TIMED: list[tuple[Any, str]] = [
     (sampler.Sampler, "__call__"),
     (batch.SamplingBatch, "build"),
 ]
-
-
-def timed(label: str, function: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(function)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            TIMES[label] += time.perf_counter() - started
-            CALLS[label] += 1
-
-    return wrapper
-
-
-def wrap_phases() -> None:
-    for owner, name in TIMED:
-        label = f"{getattr(owner, '__name__', owner)}.{name}".rsplit(".", 2)[-2:]
-        setattr(owner, name, timed(".".join(label), getattr(owner, name)))
 
 
 def run(label: str, loaded: LoadedModel, args: argparse.Namespace) -> None:
@@ -90,8 +67,7 @@ def run(label: str, loaded: LoadedModel, args: argparse.Namespace) -> None:
     steps: list[float] = []
     while len(steps) < LAST_STEP and engine.has_unfinished_requests():
         if len(steps) == FIRST_STEP:
-            TIMES.clear()
-            CALLS.clear()
+            phase_timers.clear()
         started = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - started)
@@ -102,8 +78,8 @@ def run(label: str, loaded: LoadedModel, args: argparse.Namespace) -> None:
         f"{label}: {sum(timed_steps) / len(timed_steps) * 1e3:.3f} ms a step on average, median "
         f"{statistics.median(timed_steps) * 1e3:.3f} (decode steps {FIRST_STEP}-{LAST_STEP})"
     )
-    for name, seconds in sorted(TIMES.items(), key=lambda item: -item[1]):
-        per_step = CALLS[name] / len(timed_steps)
+    for name, seconds in sorted(phase_timers.SECONDS.items(), key=lambda item: -item[1]):
+        per_step = phase_timers.CALLS[name] / len(timed_steps)
         print(f"  {name:36s} {seconds / len(timed_steps) * 1e3:7.3f} ms a step ({per_step:.0f} calls)")
 
 
@@ -125,7 +101,7 @@ def main() -> None:
     )  # fmt: skip
     loaded = with_tokenizer(load_for_args(load_args), args.tokenizer)
     if args.phases:
-        wrap_phases()
+        phase_timers.wrap(TIMED)
     for label in args.runs.split(","):
         run(label, loaded, args)
 
