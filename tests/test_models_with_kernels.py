@@ -76,29 +76,6 @@ def assert_shares_tensors_not_layers(copy: CausalLM, original: CausalLM) -> None
 
 
 @pytest.mark.skipif(not triton_available("cpu"), reason="triton cannot run here")
-def test_steps_of_a_few_rows_take_the_fused_projections_with_gemv_rows(
-    tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With ``gemv_rows`` a step of up to 16 tokens runs every projection through the GEMV kernels (norm
-    and activation fused in, on the tensor cores' path) and gives the plain model's logits; 17 tokens
-    go back to the separate norm and matmul."""
-    original = load_model(tiny_folder, dtype="float32").model
-    calls = count_kernel_calls(monkeypatch)
-    rows = original.with_kernels(
-        KernelOptions(rms_norm=True, rotary=True, activation=True, gemv=True, gemv_rows=True)
-    )
-    for lens in ([5, 2, 9], [3, 14]):
-        reference = logits(original, lens)
-        calls.clear()
-        fused = logits(rows, lens)
-        torch.testing.assert_close(fused, reference, rtol=0, atol=1e-4)
-        if sum(lens) <= 16:
-            assert {"rms_norm_gemv", "gated_gemv", "gemv"} <= set(calls)
-        else:
-            assert not {"rms_norm_gemv", "gated_gemv"} & set(calls)
-
-
-@pytest.mark.skipif(not triton_available("cpu"), reason="triton cannot run here")
 def test_configured_copies_coexist_and_share_the_weights(
     tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -71,8 +71,9 @@ def test_gemv_reads_8bit_weights(weight_dtype: torch.dtype, shape: tuple[int, in
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("config", [None, SMALL_TENSOR_CORE], ids=["default", "tc"])
 def test_fused_gemvs_read_8bit_weights(weight_dtype: torch.dtype, config: GemvConfig | None) -> None:
-    """The RMSNorm and SwiGLU prologues are unchanged by the weight's format and the kernel (CUDA or
-    tensor cores); the new residual is written once, whole."""
+    """The RMSNorm and SwiGLU prologues are unchanged by the weight's format (the tensor-core kernel
+    takes the norm; a gated prologue stays on the CUDA cores whatever the config); the new residual is
+    written once, whole."""
     torch.manual_seed(2)
     x = torch.randn(1, 96, device=DEVICE, dtype=ACT_DTYPE)
     residual = torch.randn_like(x)

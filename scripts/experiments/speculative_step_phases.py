@@ -148,15 +148,13 @@ def phases(loaded: LoadedModel, engine: llm_engine.LLMEngine, max_tokens: int) -
             print(f"  {label:36s} {seconds / len(times) * 1e3:7.3f} ms a step")
 
 
-def replay_times(engine: llm_engine.LLMEngine, label: str = "") -> None:
+def replay_times(engine: llm_engine.LLMEngine) -> None:
     runner = engine.runner
-    sets = [("decode", runner.decode_graphs, 16), ("prefill", runner.prefill_graphs, 32)]
-    for name, graphs, largest in sets:
+    sets = [("decode", runner.decode_graphs), ("prefill", runner.prefill_graphs)]
+    for name, graphs in sets:
         if graphs is None:
             continue
-        for size, graph in sorted(graphs.graphs.items()):
-            if size > largest:
-                break
+        for size, graph in sorted(graphs.graphs.items())[:4]:
             for _ in range(10):
                 graph.replay()
             torch.cuda.synchronize()
@@ -167,7 +165,7 @@ def replay_times(engine: llm_engine.LLMEngine, label: str = "") -> None:
             end.record()
             torch.cuda.synchronize()
             micros = begin.elapsed_time(end) / 200 * 1e3
-            print(f"{label}{name} graph of {size}: {micros:.1f} µs a replay (GPU, back to back)", flush=True)
+            print(f"{name} graph of {size}: {micros:.1f} µs a replay (GPU, back to back)")
 
 
 def profile_graphs(engine: llm_engine.LLMEngine, folder: Path) -> None:
@@ -190,16 +188,6 @@ def profile_graphs(engine: llm_engine.LLMEngine, folder: Path) -> None:
         print("\n".join(kernel_profile.profile_tables([summary], 20, label)), flush=True)
 
 
-def rows_ab(loaded: LoadedModel, base: EngineConfig) -> None:
-    """Graph replay times with fused_gemv_rows off and on (speculation off), one engine at a time."""
-    for rows in (False, True, False, True):
-        engine = llm_engine.LLMEngine(base.with_options(fused_gemv_rows=rows), loaded=loaded)
-        one_at_a_time("warm-up", engine, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=4))
-        replay_times(engine, f"fused_gemv_rows={rows}: ")
-        del engine
-        torch.cuda.empty_cache()
-
-
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -209,8 +197,6 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true")
     parser.add_argument("--profile-dir", type=Path, help="trace graph replays into this folder")
     parser.add_argument("--dummy", action="store_true", help="random weights (--model names a preset)")
-    parser.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
-    parser.add_argument("--rows-ab", action="store_true", help="graph replays, fused_gemv_rows off / on")
     parser.add_argument("--no-old-policy", action="store_true", help="skip the on-no-overlap engines")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -220,16 +206,7 @@ def main() -> None:
         quantization=None,
     )  # fmt: skip
     loaded = common.load_for_args(load_args)
-    base = EngineConfig().with_options(
-        model=args.model,
-        device=device,
-        max_model_len=2048,
-        num_kv_blocks=512,
-        prompt_lookup_min=args.lookup_min,
-    )
-    if args.rows_ab:
-        rows_ab(loaded, base)
-        return
+    base = EngineConfig().with_options(model=args.model, device=device, max_model_len=2048, num_kv_blocks=512)
     named = engines(base, loaded, [int(k) for k in args.ks.split(",")], not args.no_old_policy)
     if args.profile_dir is not None:
         args.profile_dir.mkdir(parents=True, exist_ok=True)

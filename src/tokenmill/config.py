@@ -25,7 +25,6 @@ FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_rotary",
     "fused_activation",
     "fused_gemv",
-    "fused_gemv_rows",
     "fused_w8a8",
     "fused_decode_rotary_kv",
     "fused_sampling",
@@ -139,9 +138,6 @@ class KernelConfig:
     # q/k/v and gate/up, and the gated activation before down_proj, fused into their loads; the LM head
     # too, writing float32 logits directly.
     fused_gemv: bool | None = None
-    # With fused_gemv: projections of 2 to 16 rows (small-batch decode, speculative verification steps) on
-    # the tensor cores the same way, norms and activations fused in; more rows go to cuBLAS.
-    fused_gemv_rows: bool | None = None
     # Quantized int8 / fp8 weights: projections of more than one row multiply 8-bit activations (quantized
     # per token in one launch) on the 8-bit tensor cores (torch._scaled_mm / torch._int_mm); off, the
     # weight is dequantized for F.linear (slow, but weight-only). One-row projections take fused_gemv.

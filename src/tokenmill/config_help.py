@@ -80,8 +80,6 @@ OPTION_HELP: dict[str, str] = {
     "fused_activation": "Triton SwiGLU / GeGLU; unset: on with CUDA + Triton",
     "fused_gemv": "batch-1 projections as Triton GEMVs with the norm and activation fused into their "
     "loads; unset: on with CUDA + Triton",
-    "fused_gemv_rows": "with fused_gemv, projections of 2 to 16 rows on the tensor cores with the norm and "
-    "activation fused in; unset: on with CUDA + Triton",
     "fused_w8a8": "int8 / fp8 weights: projections of more than one row take 8-bit activations (per-token "
     "scales) on the 8-bit tensor cores; unset: on with CUDA + Triton",
     "fused_decode_rotary_kv": "Triton attention: decode steps rotate q and k and store the new K/V inside "

@@ -184,5 +184,4 @@ def kernel_options_for(config: EngineConfig, device: torch.device) -> KernelOpti
         kernels.programmatic_launch,
         prepacked_cpu_linear=kernels.prepacked_cpu_linear,
         w8a8=kernels.fused_w8a8,
-        gemv_rows=kernels.fused_gemv_rows,
     )

@@ -35,7 +35,6 @@ from tokenmill.kernels.gemv_tensor_core import launch_tensor_core_gemv
 from tokenmill.kernels.gemv_tiles import as_float32, input_tile, weight_tile
 from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 from tokenmill.kernels.options import GEMV_MAX_ROWS as MAX_ROWS
-from tokenmill.kernels.options import GEMV_ROWS_MAX as FEW_ROWS_MAX
 
 PLAIN = 0
 RMS_NORM = 1
@@ -55,7 +54,7 @@ class GemvConfig(NamedTuple):
     block_k: int  # input features per step of the loop
     num_warps: int
     num_stages: int
-    tensor_cores: bool = False  # through kernels/gemv_tensor_core.py (every prologue)
+    tensor_cores: bool = False  # 8-bit weights through kernels/gemv_tensor_core.py (no gated prologue)
 
 
 def default_gemv_config(
@@ -75,13 +74,6 @@ def default_gemv_config(
         return GemvConfig(4, 2048, 8, 1)
     block_n = max([2] + [rows for rows in (4, 8) if out_features // rows >= GEMV_MIN_PROGRAMS])
     return GemvConfig(block_n, min(1024, next_power_of_2(in_features)), 4, 1)
-
-
-def few_rows_config(out_features: int) -> GemvConfig:
-    """Projections of 2 to ``FEW_ROWS_MAX`` rows (small-batch decode, verification steps) with weights of
-    the input's dtype, on the tensor cores: narrow tiles, so that even a 4096-row output spreads over a
-    hundred programs or more."""
-    return GemvConfig(32 if out_features <= 8192 else 64, 128, 4, 3, True)
 
 
 def _one_byte_config(out_features: int, in_features: int) -> GemvConfig:
@@ -137,9 +129,8 @@ def _gemv_kernel(
             norm_weight_ptr,
             new_residual_ptr,
             cols,
-            cols,
             cols < in_features,
-            cols < written_cols,
+            written_cols,
             in_features,
             prologue,
             unit_offset,
@@ -247,10 +238,8 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_rows = x.shape[0]
     out_features = weight.shape[0]
-    if x.dim() != 2 or num_rows > FEW_ROWS_MAX:
-        raise ValueError(f"gemv takes [M, K] inputs of at most {FEW_ROWS_MAX} rows, got {list(x.shape)}")
-    if num_rows > MAX_ROWS and (weight.dtype != x.dtype or not x.is_contiguous()):
-        raise ValueError(f"gemv takes {num_rows} rows as a contiguous x with a weight of its dtype only")
+    if x.dim() != 2 or num_rows > MAX_ROWS:
+        raise ValueError(f"gemv takes [M, K] inputs of at most {MAX_ROWS} row, got {list(x.shape)}")
     if weight.dim() != 2 or weight.shape[1] != in_features:
         raise ValueError(f"weight {weight.dtype}{list(weight.shape)} does not fit x {x.dtype}{list(x.shape)}")
     _check_weight_dtype(x, weight, weight_scale)
@@ -264,12 +253,10 @@ def _launch(
     if num_rows == 0:
         return out, new_residual
     float8 = weight.dtype == torch.float8_e4m3fn
-    if num_rows > MAX_ROWS:
-        config = config or few_rows_config(out_features)
     config = config or default_gemv_config(out_features, in_features, weight.element_size(), float8)
-    if num_rows > MAX_ROWS and not config.tensor_cores:
-        raise ValueError(f"{num_rows} rows take the tensor-core GEMV; {config} is a CUDA-core config")
-    if config.tensor_cores:
+    if config.tensor_cores and prologue in (PLAIN, RMS_NORM, ADD_RMS_NORM):
+        if weight_scale is None:
+            raise ValueError("the tensor-core GEMV takes 8-bit weights (with their weight_scale) only")
         launch_tensor_core_gemv(
             x, weight, weight_scale, bias, out, config[:4], prologue, pdl, residual, norm_weight,
             new_residual, eps, unit_offset,

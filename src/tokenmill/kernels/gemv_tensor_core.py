@@ -89,8 +89,6 @@ def _tensor_core_gemv_kernel(
     bias_ptr: tl.tensor,
     out_ptr: tl.tensor,
     new_residual_ptr: tl.tensor,
-    num_rows: int,
-    x_row_stride: int,
     out_features: int,
     in_features: int,
     weight_row_stride: int,
@@ -98,7 +96,6 @@ def _tensor_core_gemv_kernel(
     prologue: tl.constexpr,
     unit_offset: tl.constexpr,
     has_bias: tl.constexpr,
-    has_weight_scale: tl.constexpr,
     block_n: tl.constexpr,
     block_k: tl.constexpr,
     packed: tl.constexpr,
@@ -108,8 +105,6 @@ def _tensor_core_gemv_kernel(
     program = tl.program_id(0)
     features = program * block_n + tl.arange(0, block_n)
     feature_ok = features < out_features
-    rows = tl.arange(0, DOT_ROWS)
-    row_ok = rows < num_rows  # the dot's other rows read zeros
     written_cols = tl.where(program == 0, in_features, 0)  # the first program writes the residual
     weight_rows = weight_ptr + features.to(tl.int64)[:, None] * weight_row_stride
     # No tile loaded ahead by hand (as the CUDA-core kernel does): at these tile sizes it would hold a
@@ -117,7 +112,7 @@ def _tensor_core_gemv_kernel(
     wait_for_previous_kernel(pdl)
     dtype = x_ptr.dtype.element_ty
     sums = tl.zeros([DOT_ROWS, block_n], tl.float32)
-    squares = tl.zeros([DOT_ROWS, block_k], tl.float32)
+    squares = tl.zeros([block_k], tl.float32)
     for start in range(0, in_features, block_k):
         cols = start + tl.arange(0, block_k)
         x, x_squares = input_tile(
@@ -125,33 +120,31 @@ def _tensor_core_gemv_kernel(
             residual_ptr,
             norm_weight_ptr,
             new_residual_ptr,
-            rows[:, None] * x_row_stride + cols[None, :],
-            cols[None, :],
-            row_ok[:, None] & (cols < in_features)[None, :],
-            (cols < written_cols)[None, :],
+            cols,
+            cols < in_features,
+            written_cols,
             in_features,
             prologue,
             unit_offset,
         )
         weight = weight_tile(weight_rows, feature_ok, start, in_features, block_k)
-        converted = _converted(weight, dtype, packed)
-        sums = tl.dot(x.to(dtype), tl.trans(converted), sums, input_precision=precision)
+        rows = tl.broadcast_to(x.to(dtype)[None, :], (DOT_ROWS, block_k))
+        sums = tl.dot(rows, tl.trans(_converted(weight, dtype, packed)), sums, input_precision=precision)
         squares += x_squares
-    out = sums
-    if has_weight_scale:
-        out *= tl.load(weight_scale_ptr + features, mask=feature_ok, other=0.0)[None, :]
+    first = tl.arange(0, DOT_ROWS)[:, None] == 0
+    out = tl.sum(tl.where(first, sums, 0.0), axis=0)  # adding zeros: row 0 exactly
+    out *= tl.load(weight_scale_ptr + features, mask=feature_ok, other=0.0)
     if prologue == 1 or prologue == 2:
-        out = out / tl.sqrt(tl.sum(squares, axis=1) / in_features + eps)[:, None]
+        out = out / tl.sqrt(tl.sum(squares, axis=0) / in_features + eps)
     if has_bias:
-        out += tl.load(bias_ptr + features, mask=feature_ok, other=0.0).to(tl.float32)[None, :]
-    targets = out_ptr + rows[:, None] * out_features + features[None, :]
-    tl.store(targets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & feature_ok[None, :])
+        out += tl.load(bias_ptr + features, mask=feature_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + features, out.to(out_ptr.dtype.element_ty), mask=feature_ok)
 
 
 def launch_tensor_core_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
-    weight_scale: torch.Tensor | None,
+    weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out: torch.Tensor,
     block: tuple[int, int, int, int],
@@ -163,24 +156,21 @@ def launch_tensor_core_gemv(
     eps: float = 0.0,
     unit_offset: bool = False,
 ) -> None:
-    """``out`` ``[M, N]`` from a contiguous ``x`` ``[M, K]`` (``M <= DOT_ROWS``) and a weight of x's
-    dtype or an 8-bit one with its ``weight_scale`` (checked by the caller); ``block``: (block_n, block_k,
-    num_warps, num_stages), made smaller for float32 inputs, whose dots take twice the registers."""
+    """``out`` ``[1, N]`` from ``x`` ``[1, K]`` and an 8-bit ``weight`` (checked by the caller);
+    ``block``: (block_n, block_k, num_warps, num_stages), made smaller for float32 inputs, whose dots
+    take twice the registers."""
     block_n, block_k, num_warps, num_stages = block
     if x.dtype == torch.float32:
         block_n, block_k = min(block_n, 64), min(block_k, 64)
-    eight_bit = weight.dtype in (torch.int8, torch.float8_e4m3fn)
     _tensor_core_gemv_kernel[(triton.cdiv(weight.shape[0], block_n),)](
         x,
         residual if residual is not None else x,
         norm_weight if norm_weight is not None else x,
         weight,
-        weight_scale if weight_scale is not None else weight,
-        bias if bias is not None else weight,
+        weight_scale,
+        bias if bias is not None else weight_scale,
         out,
         new_residual if new_residual is not None else out,
-        x.shape[0],
-        x.stride(0),
         weight.shape[0],
         weight.shape[1],
         weight.stride(0),
@@ -188,10 +178,9 @@ def launch_tensor_core_gemv(
         prologue=prologue,
         unit_offset=unit_offset,
         has_bias=bias is not None,
-        has_weight_scale=weight_scale is not None,
         block_n=block_n,
         block_k=block_k,
-        packed=eight_bit and x.dtype == torch.bfloat16 and x.is_cuda,
+        packed=x.dtype == torch.bfloat16 and x.is_cuda,
         precision="ieee" if x.dtype == torch.float32 else "tf32",
         pdl=pdl,
         num_warps=num_warps,

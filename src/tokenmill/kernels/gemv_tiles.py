@@ -12,33 +12,30 @@ def input_tile(
     residual_ptr: tl.tensor,
     norm_weight_ptr: tl.tensor,
     new_residual_ptr: tl.tensor,
-    offsets: tl.tensor,
     cols: tl.tensor,
-    ok: tl.tensor,
-    writes_residual: tl.tensor,
+    col_ok: tl.tensor,
+    written_cols: tl.tensor,
     in_features: int,
     prologue: tl.constexpr,
     unit_offset: tl.constexpr,
 ) -> tuple[tl.tensor, tl.tensor]:
-    """The transformed input at element ``offsets`` of x (one row's columns, or a ``[rows, columns]``
-    tile; ``cols``: their column indices, broadcastable to them) in float32, before the ``1 / rms`` factor
-    for the norm prologues, and their squares' contribution to the sum of squares (zero without a norm).
-    The residual and the new residual share x's layout; ``writes_residual`` masks the new residual's
-    stores (one program writes it)."""
-    x = tl.load(x_ptr + offsets, mask=ok, other=0.0)
+    """Columns ``cols`` of the transformed input in float32 (before the ``1 / rms`` factor for the norm
+    prologues), and their squares' contribution to the sum of squares (zero without a norm)."""
+    x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
     dtype = x.dtype
-    squares = tl.zeros(x.shape, tl.float32)
+    squares = tl.zeros(cols.shape, tl.float32)
     if prologue == 1 or prologue == 2:
         if prologue == 2:
-            residual = tl.load(residual_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
-            x = (x.to(tl.float32) + residual).to(dtype)
-            tl.store(new_residual_ptr + offsets, x, mask=ok & writes_residual)
+            x = (x.to(tl.float32) + tl.load(residual_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)).to(
+                dtype
+            )
+            tl.store(new_residual_ptr + cols, x, mask=col_ok & (cols < written_cols))
         x32 = x.to(tl.float32)
         squares = x32 * x32
-        weight = tl.load(norm_weight_ptr + cols, mask=cols < in_features, other=0.0).to(tl.float32)
+        weight = tl.load(norm_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         out = x32 * (1.0 + weight) if unit_offset else x32 * weight
     elif prologue == 3 or prologue == 4:
-        up = tl.load(x_ptr + in_features + offsets, mask=ok, other=0.0)
+        up = tl.load(x_ptr + in_features + cols, mask=col_ok, other=0.0)
         g = x.to(tl.float32)
         if prologue == 3:
             activated = g * tl.sigmoid(g)

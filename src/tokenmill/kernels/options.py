@@ -11,10 +11,9 @@ import torch
 
 from tokenmill.kernels import interpreter_enabled, triton_available
 
-# Rows (tokens) a projection may have to go through tokenmill.kernels.gemv's CUDA-core kernel, and, with
-# ``gemv_rows``, through its tensor-core kernel (one 16-row dot tile); more go to cuBLAS.
+# Rows (tokens) a projection may have to go through tokenmill.kernels.gemv; more go to cuBLAS, which reads
+# the weights once for all of them.
 GEMV_MAX_ROWS = 1
-GEMV_ROWS_MAX = 16
 _NOT_KERNELS = ("pdl", "prepacked_cpu_linear")
 
 
@@ -26,9 +25,7 @@ class KernelOptions:
     rms_norm: bool = False  # RMSNorm, and the residual add fused into it (tokenmill.kernels.rmsnorm)
     rotary: bool = False  # rotary embedding of q and k in place, one launch (tokenmill.kernels.rotary)
     activation: bool = False  # SwiGLU / GeGLU activation-and-multiply (tokenmill.kernels.activation)
-    gemv: bool = False  # projections of one row, norm / activation fused in (tokenmill.kernels.gemv)
-    # With gemv: projections of 2 to GEMV_ROWS_MAX rows with weights of their dtype too, on the tensor cores.
-    gemv_rows: bool = False
+    gemv: bool = False  # projections of a few rows, norm / activation fused in (tokenmill.kernels.gemv)
     # 8-bit weights' projections of more rows on the 8-bit tensor cores, the activations quantized per
     # token (tokenmill.kernels.scaled_matmul); off, they run dequantized (a reference, not a fast path).
     w8a8: bool = False
@@ -49,7 +46,6 @@ class KernelOptions:
         pdl: bool | None = None,
         prepacked_cpu_linear: bool = False,
         w8a8: bool | None = None,
-        gemv_rows: bool | None = None,
     ) -> "KernelOptions":
         """Options for a model on ``device``; see the module docstring for None / True / False.
         ``prepacked_cpu_linear`` needs no resolving: layers whose weight cannot be packed ignore it."""
@@ -58,7 +54,6 @@ class KernelOptions:
             rotary=resolve_kernel_toggle("rotary", rotary, device),
             activation=resolve_kernel_toggle("activation", activation, device),
             gemv=resolve_kernel_toggle("gemv", gemv, device),
-            gemv_rows=resolve_kernel_toggle("gemv_rows", gemv_rows, device),
             w8a8=resolve_kernel_toggle("w8a8", w8a8, device),
             pdl=resolve_pdl(pdl, device),
             prepacked_cpu_linear=prepacked_cpu_linear,

@@ -54,8 +54,7 @@ class PreNormLinear(FusableLayer):
     def forward_gemv(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> Pair:
         """One launch for rows the GEMV takes (and a norm weight of their dtype), out of place."""
         norm, linear = self._layers
-        fits = gemv_fits(hidden, linear) and norm.weight.dtype == hidden.dtype
-        if not (fits and (residual is None or residual.is_contiguous())):
+        if not (gemv_fits(hidden, linear) and norm.weight.dtype == hidden.dtype):
             return self.forward_unfused(hidden, residual)
         out, residual = self._rms_norm_gemv_kernel(
             hidden,

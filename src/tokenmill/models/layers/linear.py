@@ -5,10 +5,9 @@ input features (and sum the partial results). Fused layers (QKV, gate+up) take t
 tensors one shard at a time. With one rank these are plain linear layers; model code is the same either way.
 
 Each projection runs on the path bound when configured (:class:`LinearProjection`): with
-``KernelOptions.gemv``, inputs of at most ``GEMV_MAX_ROWS`` rows (batch-1 decode; with ``gemv_rows`` up
-to ``GEMV_ROWS_MAX``) go through the Triton GEMV; with ``KernelOptions.prepacked_cpu_linear``, float32
-CPU weights through oneDNN. A quantized layer (``quantization`` int8 / fp8) binds the path its method
-provides (:mod:`tokenmill.quantization`).
+``KernelOptions.gemv``, inputs of at most ``GEMV_MAX_ROWS`` rows (small-batch decode) go through the
+Triton GEMV; with ``KernelOptions.prepacked_cpu_linear``, float32 CPU weights through oneDNN. A quantized
+layer (``quantization`` int8 / fp8) binds the path its method provides (:mod:`tokenmill.quantization`).
 
 Loaders say which rows (and, row-parallel, which columns) of a checkpoint tensor this rank keeps and where
 they go, as a :class:`RowShard`; the layer's quantization method stores them in its parameters' units
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import all_reduce_sum, divide, kv_head_shard, tp_rank, tp_world_size
-from tokenmill.kernels.options import GEMV_MAX_ROWS, GEMV_ROWS_MAX, KernelOptions
+from tokenmill.kernels.options import GEMV_MAX_ROWS, KernelOptions
 from tokenmill.models.layers.cpu_linear import packed_linear, shared_packed_weight, supports_prepacking
 from tokenmill.models.layers.fusable import FusableLayer
 from tokenmill.quantization import UNQUANTIZED, LinearMethod, RowShard, linear_method
@@ -33,13 +32,9 @@ ShardId = str | int | None
 
 def gemv_fits(x: torch.Tensor, layer: "LinearProjection") -> bool:
     """Whether the Triton GEMV takes ``x @ layer.weight.T``: at most ``GEMV_MAX_ROWS`` rows, and a weight
-    of x's dtype or an 8-bit one with a scale per row that the GEMV applies (per-channel int8 / fp8); with
-    ``gemv_rows``, up to ``GEMV_ROWS_MAX`` rows of a contiguous x and a weight of its dtype."""
-    if x.dim() != 2:
+    of x's dtype or an 8-bit one with a scale per row that the GEMV applies (per-channel int8 / fp8)."""
+    if x.dim() != 2 or x.shape[0] > GEMV_MAX_ROWS:
         return False
-    if x.shape[0] > GEMV_MAX_ROWS:
-        few = x.shape[0] <= GEMV_ROWS_MAX and layer.gemv_rows and x.is_contiguous()
-        return few and not layer.quant_method.quantized and x.dtype == layer.weight.dtype
     if layer.quant_method.quantized:
         return layer.quant_method.gemv_scale is not None
     return x.dtype == layer.weight.dtype
@@ -83,7 +78,6 @@ class LinearProjection(FusableLayer):
 
     def configure(self, options: KernelOptions) -> None:
         self.pdl = options.pdl  # launch the GEMV programmatically dependent (tokenmill.kernels.launch)
-        self.gemv_rows = options.gemv_rows  # the GEMV takes up to GEMV_ROWS_MAX rows, not one
         self.packed_weight: torch.Tensor | None = None  # oneDNN copy of weight (cpu_linear), when prepacked
         self._matmul: Callable[[torch.Tensor], torch.Tensor] = self._bind_matmul(options)
         self._project = self._matmul
