@@ -35,3 +35,22 @@ def wrap(targets: Sequence[tuple[Any, str]]) -> None:
     for owner, name in targets:
         label = f"{getattr(owner, '__name__', owner)}.{name}".rsplit(".", 2)[-2:]
         setattr(owner, name, _timed(".".join(label), getattr(owner, name)))
+
+
+def engine_step_targets() -> list[tuple[Any, str]]:
+    """The methods of a step both explorations time: the engine's per-token work, the scheduler's
+    calls, the runner's forward and sampling."""
+    from tokenmill.engine import llm_engine
+    from tokenmill.runner import model_runner
+    from tokenmill.scheduler import scheduler
+
+    return [
+        (llm_engine.LLMEngine, "_token_delta"),
+        (scheduler.Scheduler, "schedule"),
+        (scheduler.Scheduler, "update"),
+        (scheduler.Scheduler, "reserve_next_step"),
+        (model_runner.ModelRunner, "execute"),
+        (model_runner.ModelRunner, "start_next_step"),
+        (model_runner.ModelRunner, "_sample"),
+        (model_runner.PendingStep, "result"),
+    ]

@@ -40,20 +40,13 @@ from tokenmill.speculative import verification
 PHASES: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
 STEP_KIND = {"verify": False}
 TIMED: list[tuple[Any, str]] = [
+    *phase_timers.engine_step_targets(),
     (llm_engine, "propose_drafts"),
-    (llm_engine.LLMEngine, "_token_delta"),
-    (scheduler.Scheduler, "schedule"),
-    (scheduler.Scheduler, "update"),
-    (scheduler.Scheduler, "reserve_next_step"),
-    (model_runner.ModelRunner, "execute"),
-    (model_runner.ModelRunner, "start_next_step"),
-    (model_runner.ModelRunner, "_sample"),
     (model_runner.ModelRunner, "_compute_logits"),
     (model_runner, "verify_step"),
     (verification, "accepted_prefixes"),
     (verification, "_draft_tensors"),
     (prefill_graphs.PrefillGraphRunner, "run"),
-    (model_runner.PendingStep, "result"),
 ]
 
 

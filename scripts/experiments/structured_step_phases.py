@@ -23,25 +23,16 @@ from tokenmill.benchmarks.workload import WorkloadSpec, build_workload, greedy_p
 from tokenmill.config import EngineConfig
 from tokenmill.engine import llm_engine
 from tokenmill.loading import LoadedModel
-from tokenmill.runner import model_runner
 from tokenmill.runner.sampler import batch, sampler
-from tokenmill.scheduler import scheduler
 from tokenmill.structured import bitmask, manager
 from tokenmill.structured.params import StructuredOutputsParams
 
 FIRST_STEP, LAST_STEP = 20, 180  # decode steps timed (the first ones include prefill)
 TIMED: list[tuple[Any, str]] = [
+    *phase_timers.engine_step_targets(),
     (llm_engine.LLMEngine, "step"),
-    (llm_engine.LLMEngine, "_token_delta"),
     (llm_engine, "advance_grammars"),
     (llm_engine.LLMEngine, "_fill_masks_ahead"),
-    (scheduler.Scheduler, "schedule"),
-    (scheduler.Scheduler, "update"),
-    (scheduler.Scheduler, "reserve_next_step"),
-    (model_runner.ModelRunner, "execute"),
-    (model_runner.ModelRunner, "start_next_step"),
-    (model_runner.ModelRunner, "_sample"),
-    (model_runner.PendingStep, "result"),
     (manager.StructuredOutputs, "bitmask"),
     (bitmask.BitmaskStaging, "_take_ahead"),
     (sampler.Sampler, "__call__"),
