@@ -54,7 +54,8 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the draft (a short name, folder, .gguf or preset)
     load_format: str = "auto"  # draft_model: "dummy" for random weights of a preset
     # No guesses while this many sequences run (a large batch is compute-bound: verifying 1 + k tokens
-    # each costs more than it saves). None (auto): 8 on CPU, 32 on a GPU.
+    # each costs more than it saves). None (auto): 8 on CPU; 2 on a GPU, where only a batch-1
+    # verification step runs in a CUDA graph.
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:

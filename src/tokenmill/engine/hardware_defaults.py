@@ -75,7 +75,10 @@ def _resolve_host_threads(config: EngineConfig, platform: Platform) -> int | Non
 
 
 CPU_SPECULATION_MAX_BATCH = 8  # bench speculative: at 64 sequences on 2 cores, n-gram speculation cost 29%
-GPU_SPECULATION_MAX_BATCH = 32
+# On a GPU only a batch-1 verification step runs through a graph (the one-sequence prefill graphs); one of
+# several sequences runs eagerly, ~10x a graphed decode step for a small model: bench speculative, SmolLM2
+# bf16 on the H200, open-ended prompts at 8 / 16 sequences: 0.08x / 0.07x with guesses allowed.
+GPU_SPECULATION_MAX_BATCH = 2
 # bench speculative on the H200 (SmolLM2 bf16, batch 1): code editing / copy mix 1.30x / 1.32x at k = 8,
 # 1.41x / 1.52x at k = 12; on the 2-core CPU k = 4 and 8 were alike (2.21x / 1.71x, 2.15x / 1.81x).
 GPU_NGRAM_TOKENS = 12

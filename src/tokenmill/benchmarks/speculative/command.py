@@ -227,7 +227,7 @@ def render(runs: Sequence[TimedRun], batch_size: int, device_type: str = "cpu") 
         "- acceptance: accepted / proposed draft tokens; tokens / verification step: accepted drafts plus "
         "the model's own token, per step that verified drafts; tokens / step: per decode step of any kind",
         "- no step speculates while speculative_disable_by_batch_size or more sequences run (auto: 8 on "
-        "CPU, 32 on a GPU); on a GPU, batch-1 verification steps run through the one-sequence prefill "
+        "CPU, 2 on a GPU); on a GPU, batch-1 verification steps run through the one-sequence prefill "
         "graphs, batched ones eagerly; decode steps are overlapped while no step can speculate or after a "
         "step without guesses",
     ]
