@@ -136,24 +136,9 @@ prmt.b32 $3, u, m, 0x7543;
 }""")
 
 
-# int8 / e4m3 -> bfloat16, 4 weights a call: the engine's own packed PTX (kernels/gemv_tensor_core.py,
-# where each step is explained), so the sweep times what the engine runs.
-from tokenmill.kernels.gemv_tensor_core import E4M3_TO_BF16_PTX as _E4M3_TO_BF16_ASM  # noqa: E402
-from tokenmill.kernels.gemv_tensor_core import INT8_TO_BF16_PTX as _INT8_TO_BF16_ASM  # noqa: E402
-
-
-@triton.jit
-def _asm_to_bf16(w):
-    """An int8 or float8e4nv tile as bfloat16, through the packed PTX above."""
-    if w.dtype == tl.int8:
-        return tl.inline_asm_elementwise(
-            asm=_INT8_TO_BF16_ASM, constraints="=r,=r,r", args=[w], dtype=tl.bfloat16, is_pure=True, pack=4
-        )
-    else:
-        bits = w.to(tl.int8, bitcast=True)
-        return tl.inline_asm_elementwise(
-            asm=_E4M3_TO_BF16_ASM, constraints="=r,=r,r", args=[bits], dtype=tl.bfloat16, is_pure=True, pack=4
-        )
+# int8 / e4m3 -> bfloat16, 4 weights a call: the engine's own conversion (kernels/gemv_tensor_core.py,
+# where each step of its packed PTX is explained), so the sweep times what the engine runs.
+from tokenmill.kernels.gemv_tensor_core import _converted as _engine_converted  # noqa: E402
 
 
 @triton.jit
@@ -198,7 +183,7 @@ def _to_mma_dtype(w, CVT: tl.constexpr, INTERP: tl.constexpr):
     elif CVT == 2:
         return _asm_to_f16(w)
     else:
-        return _asm_to_bf16(w)
+        return _engine_converted(w, tl.bfloat16, True)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -85,12 +85,16 @@ GPU_NGRAM_TOKENS = 12
 DEFAULT_SPECULATIVE_TOKENS = 4
 
 
+def auto_speculative_tokens(method: str | None, device: torch.device) -> int:
+    """``num_speculative_tokens`` left auto: 12 for ngram on a GPU, 4 otherwise."""
+    return GPU_NGRAM_TOKENS if device.type == "cuda" and method == "ngram" else DEFAULT_SPECULATIVE_TOKENS
+
+
 def _resolve_speculative(config: EngineConfig, platform: Platform) -> SpeculativeConfig:
     spec = config.speculative
     gpu = platform.device.type == "cuda"
     if spec.num_speculative_tokens is None:
-        ngram_on_gpu = gpu and spec.method == "ngram"
-        k = GPU_NGRAM_TOKENS if ngram_on_gpu else DEFAULT_SPECULATIVE_TOKENS
+        k = auto_speculative_tokens(spec.method, platform.device)
         spec = replace(spec, num_speculative_tokens=k)
     if spec.disable_by_batch_size is None:
         cutoff = GPU_SPECULATION_MAX_BATCH if gpu else CPU_SPECULATION_MAX_BATCH

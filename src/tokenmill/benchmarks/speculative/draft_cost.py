@@ -24,7 +24,7 @@ import torch
 from tokenmill.benchmarks.report import describe_model, header_lines, markdown_table
 from tokenmill.benchmarks.speculative.timing import TimedRun, one_at_a_time
 from tokenmill.config import EngineConfig
-from tokenmill.engine.hardware_defaults import DEFAULT_SPECULATIVE_TOKENS
+from tokenmill.engine.hardware_defaults import auto_speculative_tokens
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.sampling_params import SamplingParams
@@ -46,7 +46,7 @@ def draft_model_costs(args: argparse.Namespace, target: LoadedModel, base: Engin
         load_format=args.draft_load_format,
         seed=args.seed,
     )
-    k = base.speculative.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS  # auto for a draft model
+    k = base.speculative.num_speculative_tokens or auto_speculative_tokens("draft_model", target.device)
     rng = random.Random(args.seed)
     vocab = min(target.config.vocab_size, draft.config.vocab_size)
     prompts = [
