@@ -106,7 +106,7 @@ def test_real_models_through_the_gguf_method_decode_the_float32_greedy_tokens(
     model: str, request: pytest.FixtureRequest
 ) -> None:
     """SmolLM2 Q4_1 (the default model) and Gemma 3 Q4_K_M (Q5_0 q/k beside Q8_0 v: a fused weight in
-    two formats) loaded with ``quantization="gguf"``: 32 greedy tokens of one sequence and of four
+    two formats) loaded with ``quantization="gguf"`` and float32 inputs: 32 greedy tokens of one sequence and of four
     together equal those of the float32 engine (over conftest's shared float32 load of the same file)."""
     from tokenmill.llm import LLM
     from tokenmill.sampling_params import SamplingParams
@@ -121,7 +121,7 @@ def test_real_models_through_the_gguf_method_decode_the_float32_greedy_tokens(
     float32 = llm_for(request.getfixturevalue(model), max_model_len=128, max_num_seqs=4)
     expected = greedy(float32, prompts[:1]), greedy(float32, prompts)
     del float32
-    packed = LLM(path, max_model_len=128, max_num_seqs=4, quantization="gguf")
+    packed = LLM(path, max_model_len=128, max_num_seqs=4, quantization="gguf", gguf_int8_activations=False)
     layers = [m for m in packed.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert len(layers) == 4 * packed.engine.model_config.num_layers
     assert all(layer.weight.numel() == 0 for layer in layers)

@@ -131,6 +131,10 @@ class KernelConfig:
     # float32 projections on CPU through oneDNN with each weight reordered once at start (another copy of
     # the weights in memory); other devices and dtypes keep F.linear. See models/layers/cpu_linear.py.
     prepacked_cpu_linear: bool = True
+    # quantization "gguf" on an AVX2 CPU: each input row rounded to int8 per block of 32 and multiplied
+    # with the 4- / 8-bit codes as integers, as llama.cpp does (quantization/gguf_int8_kernel.py); off,
+    # float32 inputs times the exact float32 weights (the float32 engine's results, up to summation order).
+    gguf_int8_activations: bool = True
     fused_rms_norm: bool | None = None  # RMSNorm with the residual add fused in (one launch)
     fused_rotary: bool | None = None  # rotary embedding of q and k in place (one launch)
     fused_activation: bool | None = None  # SwiGLU / GeGLU activation-and-multiply (one launch)

@@ -75,6 +75,8 @@ OPTION_HELP: dict[str, str] = {
     "with CUDA + Triton, cpu on cpu where a C compiler is, else torch",
     "prepacked_cpu_linear": "float32 projections on cpu through oneDNN, each weight reordered once at "
     "start (a second copy of the weights in memory)",
+    "gguf_int8_activations": "quantization gguf on an AVX2 cpu: inputs rounded to int8 per block of 32 and "
+    "multiplied with the packed codes as integers (llama.cpp's way); off: float32 inputs, exact weights",
     "fused_rms_norm": "Triton RMSNorm with the residual add fused in; unset: on with CUDA + Triton",
     "fused_rotary": "Triton rotary embedding of q and k in place; unset: on with CUDA + Triton",
     "fused_activation": "Triton SwiGLU / GeGLU; unset: on with CUDA + Triton",

@@ -14,7 +14,7 @@ from tokenmill.kernels import interpreter_enabled, triton_available
 # Rows (tokens) a projection may have to go through tokenmill.kernels.gemv; more go to cuBLAS, which reads
 # the weights once for all of them.
 GEMV_MAX_ROWS = 1
-_NOT_KERNELS = ("pdl", "prepacked_cpu_linear")
+_NOT_KERNELS = ("pdl", "prepacked_cpu_linear", "gguf_int8_activations")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class KernelOptions:
     pdl: bool = False
     # Float32 CPU projections through a oneDNN-reordered copy of their weight (models/layers/cpu_linear.py).
     prepacked_cpu_linear: bool = False
+    # Packed GGUF projections (quantization "gguf") with inputs rounded to int8 per block of 32 and integer
+    # products (quantization/gguf_int8_kernel.py) where the CPU has AVX2; off, float32 inputs.
+    gguf_int8_activations: bool = False
 
     @classmethod
     def resolve(
@@ -46,9 +49,11 @@ class KernelOptions:
         pdl: bool | None = None,
         prepacked_cpu_linear: bool = False,
         w8a8: bool | None = None,
+        gguf_int8_activations: bool = False,
     ) -> "KernelOptions":
         """Options for a model on ``device``; see the module docstring for None / True / False.
-        ``prepacked_cpu_linear`` needs no resolving: layers whose weight cannot be packed ignore it."""
+        ``prepacked_cpu_linear`` and ``gguf_int8_activations`` need no resolving: layers whose weights or
+        CPU cannot take them ignore them."""
         return cls(
             rms_norm=resolve_kernel_toggle("rms_norm", rms_norm, device),
             rotary=resolve_kernel_toggle("rotary", rotary, device),
@@ -57,6 +62,7 @@ class KernelOptions:
             w8a8=resolve_kernel_toggle("w8a8", w8a8, device),
             pdl=resolve_pdl(pdl, device),
             prepacked_cpu_linear=prepacked_cpu_linear,
+            gguf_int8_activations=gguf_int8_activations,
         )
 
     @property

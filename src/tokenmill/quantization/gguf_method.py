@@ -20,6 +20,7 @@ from torch import nn
 
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.quantization.gguf_blocks import SUPPORTED_QTYPES, GGUFBlocks
+from tokenmill.quantization.gguf_int8_kernel import NormPrologue
 from tokenmill.quantization.gguf_packed import PackedRows, PackedWeight, pack_parts
 from tokenmill.quantization.method import (
     LinearMethod,
@@ -54,9 +55,26 @@ def packed_nbytes(module: nn.Module) -> int:
     return 0 if packed is None else packed.nbytes
 
 
-def _packed_linear(layer: ProjectionLayer, x: torch.Tensor) -> torch.Tensor:
-    out = packed_weight(layer).linear(x, layer.local_bias())
+def _packed_linear(layer: ProjectionLayer, int8_activations: bool, x: torch.Tensor) -> torch.Tensor:
+    out = packed_weight(layer).linear(x, layer.local_bias(), int8_activations)
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def fused_int8_linear(
+    layer: nn.Module, x: torch.Tensor, prologue: int | NormPrologue
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A GGUF-packed layer's projection of the rows ``prologue`` forms from ``x``, in one int8 kernel call
+    (:meth:`PackedWeight.fused_int8_linear`); None where the layer is not one packed weight in float32 or
+    the kernel is not built: the caller runs the prologue and the projection one after the other."""
+    packed = getattr(layer, _PACKED, None)
+    if not isinstance(packed, PackedWeight) or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if isinstance(prologue, NormPrologue) and prologue.weight.dtype != torch.float32:
+        return None
+    result = packed.fused_int8_linear(x, prologue, layer.local_bias())  # type: ignore[operator]
+    if result is None:
+        return None
+    return layer.reduce(result[0]), result[1]  # type: ignore[operator]
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -105,7 +123,7 @@ class GGUFLinearMethod(LinearMethod):
 
     def matmul_path(self, layer: ProjectionLayer, options: KernelOptions) -> MatmulPath:
         # Bound at construction too, before loading: the packed weight is looked up per call.
-        return partial(_packed_linear, layer)
+        return partial(_packed_linear, layer, options.gguf_int8_activations)
 
     def dequantized_weight(self, layer: ProjectionLayer, dtype: torch.dtype) -> torch.Tensor:
         return packed_weight(layer).dequantize().to(dtype)

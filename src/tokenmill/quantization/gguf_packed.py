@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType
 
 from tokenmill.quantization.gguf_blocks import DecodedBlocks, GGUFBlocks, concat_rows, decode_blocks
 from tokenmill.quantization.gguf_cpu_kernel import load_kernel, run_kernel
+from tokenmill.quantization.gguf_int8_kernel import NormPrologue, load_int8_kernel, run_int8_kernel
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,20 +63,42 @@ class PackedWeight:
         extra = 0 if self.offset is None else self.offset.nbytes
         return self.codes.nbytes + self.scale.nbytes + extra
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, int8_activations: bool = False
+    ) -> torch.Tensor:
         """``F.linear(x, self.dequantize(), bias)`` for float32 ``x`` of shape ``[..., in_features]``,
-        without forming the float32 weight."""
+        without forming the float32 weight; with ``int8_activations`` (where the CPU has AVX2), ``x``
+        rounded to int8 per block of 32 (``gguf_int8_kernel.py``)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features; the weight takes {self.in_features}")
         rows = x.reshape(-1, self.in_features).float().contiguous()
+        int8_library = load_int8_kernel() if int8_activations else None
         library = load_kernel()
-        if library is None:  # no compiler: the same weights, through a float32 copy made per call
+        if int8_library is not None:
+            out, _ = run_int8_kernel(int8_library, rows, self.codes, self.scale, self.offset, self.group)
+        elif library is None:  # no compiler: the same weights, through a float32 copy made per call
             out = F.linear(rows, self.dequantize())
         else:
             out = run_kernel(library, rows, self.codes, self.scale, self.offset, self.group)
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def fused_int8_linear(
+        self, x: torch.Tensor, prologue: int | NormPrologue, bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The projection of the rows ``prologue`` forms from float32 ``x`` (``[..., K]``, ``[..., 2K]``
+        for a gate), inputs rounded to int8 (``gguf_int8_kernel.py``), and for a norm ``x + residual``;
+        None where the int8 kernel is not built (the caller runs the prologue and :meth:`linear`)."""
+        library = load_int8_kernel()
+        if library is None:
+            return None
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        out, total = run_int8_kernel(library, rows, self.codes, self.scale, self.offset, self.group, prologue)
+        if bias is not None:
+            out = out + bias
+        lead = x.shape[:-1]
+        return out.view(*lead, self.out_features), None if total is None else total.view(*lead, -1)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weight (or its ``rows``, e.g. embedding lookups of a tied LM head), bit for bit
@@ -145,8 +168,10 @@ class PackedRows:
     def nbytes(self) -> int:
         return sum(part.nbytes for part in self.parts)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.cat([part.linear(x) for part in self.parts], dim=-1)
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, int8_activations: bool = False
+    ) -> torch.Tensor:
+        out = torch.cat([part.linear(x, None, int8_activations) for part in self.parts], dim=-1)
         return out if bias is None else out + bias
 
     def dequantize(self) -> torch.Tensor:

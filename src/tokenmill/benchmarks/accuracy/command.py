@@ -7,7 +7,9 @@ the unquantized model and each mode score the same text with teacher forcing (se
 * ``fp8``: per-channel e4m3 weights, weight-only (dequantized in PyTorch);
 * ``fp8-w8a8``: the same weights with every projection's input rounded per token to e4m3 (dynamic
   scales), as a W8A8 GEMM computes, emulated in PyTorch;
-* ``gguf``: the GGUF blocks kept packed, when that path is built (skipped otherwise).
+* ``gguf``: the GGUF blocks kept packed, when that path is built (skipped otherwise), float32 inputs;
+* ``gguf-int8``: the same with each projection's input rounded to int8 per block of 32 and multiplied as
+  integers (``gguf_int8_activations``, the engine's default for ``quantization="gguf"``).
 
 Reported: perplexity and its change against the unquantized model, top-1 agreement (the share of text
 positions whose argmax equals the unquantized model's), the targets of issue 18 (int8: perplexity within
@@ -43,6 +45,7 @@ from tokenmill.benchmarks.report import (
     provenance,
 )
 from tokenmill.errors import ModelLoadError
+from tokenmill.kernels.options import KernelOptions
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.quantization import QuantizationConfig
 
@@ -51,7 +54,10 @@ MODE_CONFIGS: dict[str, QuantizationConfig | str] = {
     "fp8": QuantizationConfig("fp8"),
     "fp8-w8a8": QuantizationConfig("fp8", dynamic_activations=True),
     "gguf": "gguf",
+    "gguf-int8": "gguf",
 }
+# Modes that differ from another only in the kernels the model binds (the rest run plain PyTorch layers).
+MODE_KERNELS: dict[str, KernelOptions] = {"gguf-int8": KernelOptions(gguf_int8_activations=True)}
 # (largest perplexity change, smallest top-1 agreement) from issue 18
 TARGETS: dict[str, tuple[float, float]] = {
     "int8": (0.01, 0.96),
@@ -104,6 +110,8 @@ def model_section(args: argparse.Namespace, model: str) -> list[str]:
             print(f"{model} {mode}: skipped ({error})", flush=True)
             results.append(ModeResult(mode, None, [], 0, f"skipped: {error}"))
             continue
+        if mode.strip() in MODE_KERNELS:
+            loaded.model = loaded.model.with_kernels(MODE_KERNELS[mode.strip()])
         results.append(measure(args, mode, loaded, tokens, prompts))
     describe = f"{model} ({len(tokens)} tokens scored, windows of {args.window})"
     return [f"## {describe}", "", *score_table(results), "", *greedy_table(results), ""]

@@ -78,15 +78,16 @@ def _tokenmill_run(llm: object, prompts: list[list[int]], new_tokens: int) -> De
 
 
 def _print_layers(timings: list[LayerTiming]) -> None:
-    print(f"{'projection':>10} {'qtype':>6} {'shape':>11} {'rows':>4} {'packed us':>9} {'f32 us':>8} "
-          f"{'speedup':>7} {'B/weight':>8}")  # fmt: skip
+    print(f"{'projection':>10} {'qtype':>6} {'shape':>11} {'rows':>4} {'packed us':>9} {'int8 us':>8} "
+          f"{'f32 us':>8} {'speedup':>7} {'int8 x':>7} {'B/weight':>8}")  # fmt: skip
     for t in timings:
         shape, per_weight = (
             f"{t.out_features}x{t.in_features}",
             t.packed_bytes / t.out_features / t.in_features,
         )
         print(f"{t.name:>10} {t.qtype:>6} {shape:>11} {t.rows:>4} {t.packed_s * 1e6:>9.1f} "
-              f"{t.float32_s * 1e6:>8.1f} {t.speedup:>7.2f} {per_weight:>8.3f}")  # fmt: skip
+              f"{t.packed_int8_s * 1e6:>8.1f} {t.float32_s * 1e6:>8.1f} {t.speedup:>7.2f} "
+              f"{t.int8_speedup:>7.2f} {per_weight:>8.3f}")  # fmt: skip
 
 
 def _first_divergence(ours: DecodeRun, reference: DecodeRun) -> int | None:
@@ -99,7 +100,7 @@ def _first_divergence(ours: DecodeRun, reference: DecodeRun) -> int | None:
     return min(found) if found else None
 
 
-def _engine(path: Path, quantization: str, args: argparse.Namespace) -> object:
+def _engine(path: Path, quantization: str, args: argparse.Namespace, **options: Any) -> object:
     from tokenmill.llm import LLM
 
     max_len = args.prompt_len + args.new_tokens
@@ -109,6 +110,7 @@ def _engine(path: Path, quantization: str, args: argparse.Namespace) -> object:
         max_num_seqs=max(args.sequences),
         quantization=quantization,
         attention_backend=args.attention_backend,
+        **options,
     )
 
 
@@ -155,6 +157,11 @@ def _decode_runs(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
         c: best(lambda b: _tokenmill_run(engines["float32"], b, args.new_tokens), c) for c in args.sequences
     }
     del engines["float32"]
+    float_inputs_llm = _engine(path, "gguf", args, gguf_int8_activations=False)
+    float_inputs = {
+        c: best(lambda b: _tokenmill_run(float_inputs_llm, b, args.new_tokens), c) for c in args.sequences
+    }
+    del float_inputs_llm
     packed_llm = _engine(path, "gguf", args)
     packed = {c: best(lambda b: _tokenmill_run(packed_llm, b, args.new_tokens), c) for c in args.sequences}
     step_bytes = _weight_bytes(packed_llm)
@@ -165,6 +172,8 @@ def _decode_runs(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
         line: dict[str, Any] = {
             "sequences": count,
             "tokenmill_float32": float32[count].decode_tokens_per_s,
+            "tokenmill_gguf_float_inputs": float_inputs[count].decode_tokens_per_s,
+            "gguf_float_inputs_first_divergence": _first_divergence(float_inputs[count], float32[count]),
             "tokenmill_gguf": packed[count].decode_tokens_per_s,
             "gguf_first_divergence": _first_divergence(packed[count], float32[count]),
             "gguf_weight_bytes_per_step": step_bytes,
@@ -190,17 +199,21 @@ def _report(args: argparse.Namespace, path: Path, lines: list[dict[str, Any]], b
         peer, gguf = line.get("llama_cpp"), line["tokenmill_gguf"]
         share = gguf / line["sequences"] * line["gguf_weight_bytes_per_step"] / bandwidth
         rows.append([
-            str(line["sequences"]), f"{line['tokenmill_float32']:.1f}", f"{gguf:.1f}",
+            str(line["sequences"]), f"{line['tokenmill_float32']:.1f}",
+            f"{line['tokenmill_gguf_float_inputs']:.1f}", f"{gguf:.1f}",
             "-" if peer is None else f"{peer:.1f}", "-" if peer is None else f"{gguf / peer:.2f}x",
+            _divergence(line.get("gguf_float_inputs_first_divergence")),
             _divergence(line.get("gguf_first_divergence")),
             _divergence(line.get("llama_cpp_first_divergence")), f"{share:.0%}",
         ])  # fmt: skip
     headers = [
         "sequences",
         "tokenmill float32",
-        "tokenmill gguf",
+        "tokenmill gguf, float32 inputs",
+        "tokenmill gguf (int8 inputs, default)",
         "llama.cpp",
         "gguf / llama.cpp",
+        "gguf float32 inputs vs float32 greedy",
         "gguf vs float32 greedy",
         "llama.cpp vs float32 greedy",
         "weight bytes / copy bandwidth",
@@ -215,6 +228,9 @@ def _report(args: argparse.Namespace, path: Path, lines: list[dict[str, Any]], b
         markdown_table(headers, rows), "",
         "- greedy: the first output position where a sequence's tokens differ from tokenmill float32's "
         "(= where none do)",
+        "- tokenmill gguf: `quantization=\"gguf\"`, the packed codes; float32 inputs: "
+        "`gguf_int8_activations=False` (the exact float32 weights times float32 inputs); int8 inputs (the "
+        "default): each input row rounded to int8 per block of 32 and multiplied as integers, as llama.cpp does",
         "- weight bytes / copy bandwidth: the packed engine's weight bytes read per step times steps per "
         "second, over the copy bandwidth",
     ])  # fmt: skip

@@ -38,13 +38,18 @@ class LayerTiming:
     out_features: int
     in_features: int
     rows: int
-    packed_s: float
+    packed_s: float  # float32 inputs
     float32_s: float
     packed_bytes: int
+    packed_int8_s: float  # inputs rounded to int8 (gguf_int8_activations)
 
     @property
     def speedup(self) -> float:
         return self.float32_s / self.packed_s
+
+    @property
+    def int8_speedup(self) -> float:
+        return self.float32_s / self.packed_int8_s
 
 
 def _blocks(file: GGUFFile, name: str) -> GGUFBlocks:
@@ -80,9 +85,9 @@ def time_pair(
     return statistics.median(a), statistics.median(b)
 
 
-def _sweep_packed(weights: list[PackedWeight], x: torch.Tensor) -> None:
+def _sweep_packed(weights: list[PackedWeight], x: torch.Tensor, int8_activations: bool = False) -> None:
     for weight in weights:
-        weight.linear(x)
+        weight.linear(x, None, int8_activations)
 
 
 def _sweep_float32(weights: list[torch.Tensor], x: torch.Tensor) -> None:
@@ -103,16 +108,17 @@ def time_projections(
         first = packed[0]
         for batch in rows:
             x = torch.randn(batch, first.in_features)
+            calls = max(1, 3 * layers // count)
             packed_s, float32_s = time_pair(
-                partial(_sweep_packed, packed, x),
-                partial(_sweep_float32, onednn, x),
-                samples,
-                calls=max(1, 3 * layers // count),
+                partial(_sweep_packed, packed, x), partial(_sweep_float32, onednn, x), samples, calls
+            )
+            int8_s, _ = time_pair(
+                partial(_sweep_packed, packed, x, True), partial(_sweep_float32, onednn, x), samples, calls
             )
             results.append(
                 LayerTiming(
                     name, first.qtype.name, first.out_features, first.in_features, batch,
-                    packed_s / count, float32_s / count, first.nbytes,
+                    packed_s / count, float32_s / count, first.nbytes, int8_s / count,
                 )
             )  # fmt: skip
     return results

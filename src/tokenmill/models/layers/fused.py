@@ -40,6 +40,11 @@ class PreNormLinear(FusableLayer):
 
             self._rms_norm_gemv_kernel = rms_norm_gemv
             self._forward = self.forward_gemv
+        elif options.gguf_int8_activations:
+            from tokenmill.quantization.gguf_method import fused_int8_linear
+
+            self._fused_int8_linear = fused_int8_linear
+            self._forward = self.forward_gguf_int8
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> Pair:
         return self._forward(hidden, residual)
@@ -69,6 +74,18 @@ class PreNormLinear(FusableLayer):
         )
         return linear.reduce(out), residual
 
+    def forward_gguf_int8(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> Pair:
+        """One C call for a GGUF-packed projection: the norm is applied as its int8 inputs are formed."""
+        from tokenmill.quantization.gguf_int8_kernel import NormPrologue
+
+        norm, linear = self._layers
+        prologue = NormPrologue(norm.weight, norm.eps, norm.unit_offset, residual)
+        fused = self._fused_int8_linear(linear, hidden, prologue)
+        if fused is None:
+            return self.forward_unfused(hidden, residual)
+        out, total = fused
+        return out, hidden if residual is None else total
+
 
 class GatedActivationLinear(FusableLayer):
     """``linear(act(gate_up))`` for a fused ``[gate | up]`` input, e.g. an MLP's down projection."""
@@ -86,6 +103,13 @@ class GatedActivationLinear(FusableLayer):
 
             self._gated_gemv_kernel = gated_gemv
             self._forward = self.forward_gemv
+        elif options.gguf_int8_activations:
+            from tokenmill.quantization.gguf_int8_kernel import GATE_PROLOGUES
+            from tokenmill.quantization.gguf_method import fused_int8_linear
+
+            self._fused_int8_linear = fused_int8_linear
+            self._gate_prologue = GATE_PROLOGUES[self._layers[0].kind]
+            self._forward = self.forward_gguf_int8
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._forward(gate_up)
@@ -108,3 +132,9 @@ class GatedActivationLinear(FusableLayer):
             weight_scale=linear.gemv_weight_scale(),
         )
         return linear.reduce(out)
+
+    def forward_gguf_int8(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """One C call for a GGUF-packed projection: the activation is applied as its int8 inputs are
+        formed."""
+        fused = self._fused_int8_linear(self._layers[1], gate_up, self._gate_prologue)
+        return self.forward_unfused(gate_up) if fused is None else fused[0]

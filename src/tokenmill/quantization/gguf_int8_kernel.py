@@ -1,0 +1,360 @@
+"""Packed GGUF projections with int8 activations: llama.cpp's way of multiplying 4- and 8-bit codes.
+
+The float kernel (``gguf_cpu_kernel.py``) turns every code into a float32 weight before multiplying: at
+one input row that conversion, not memory, bounds it (SmolLM2's gate/up reads its 1.1 MB at ~10 GB/s on
+a 2-core AVX2 machine). Here each input row is rounded to int8 per block of 32 values with one float step
+(``x ~ step * q``, ``step = max |x| / 127``), and a block's 32 products ``code * q`` are summed as integers
+by two instructions (``maddubs``, ``madd``); the weight's factors are applied once per group::
+
+    sum_i (code_i * scale + offset) * x_i  ~  scale * step * sum_i code_i * q_i  +  offset * sum_i x_i
+
+(the offset term takes the exact float sum of the inputs). The weights are the same codes and factors;
+the inputs are rounded, so results differ from the float kernel by the activations' rounding (about
+0.4% of a block's largest value per input), as llama.cpp's do. Each output element is one reduction in a
+fixed order, so a row's result does not depend on the batch or the thread count.
+
+AVX2 only (``maddubs`` / ``sign`` on 256-bit registers); elsewhere :func:`load_int8_kernel` returns None
+and the float kernel runs.
+"""
+
+import ctypes
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from tokenmill.native import compile_library
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+#ifdef __AVX2__
+INLINE float hsum(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+/* Row x of K values to int8 codes q per block of 32 with step[b] (x ~ step * q), and the float sums the
+   offset terms take: each block's (sums[b]), then each half block's (sums[B + 2b], sums[B + 2b + 1]),
+   B = K / 32 blocks. */
+static void quantize_row(const float* x, int64_t K, int8_t* q, float* step, float* sums) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float* v = x + b * 32;
+        __m256 a[4];
+        for (int i = 0; i < 4; i++) a[i] = _mm256_loadu_ps(v + 8 * i);
+        __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        step[b] = amax / 127.0f;
+        __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(a[0], inverse));  /* round to nearest even */
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(a[1], inverse));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(a[2], inverse));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(a[3], inverse));
+        /* the packs interleave 128-bit halves; the permutation puts the 32 codes back in order */
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i*)(q + b * 32), packed);
+        float first = hsum(_mm256_add_ps(a[0], a[1])), second = hsum(_mm256_add_ps(a[2], a[3]));
+        sums[K / 32 + 2 * b] = first;
+        sums[K / 32 + 2 * b + 1] = second;
+        sums[b] = first + second;
+    }
+}
+
+/* What the projection's input row is, formed from the caller's row x first (one row, K outputs). */
+enum { PLAIN = 0, RMS_NORM = 1, SILU_GATE = 2, GELU_TANH_GATE = 3 };
+
+/* RMS_NORM: h = norm(x + residual) (residual may be NULL), the sum written to sum_out; the gates:
+   h = act(x[:K]) * x[K:2K]. Rounded as the PyTorch layers round (float32 throughout). */
+static void form_row(int prologue, const float* x, int64_t K, const float* residual, float* sum_out,
+                     const float* norm_weight, float eps, int unit_offset, float* h) {
+    if (prologue == RMS_NORM) {
+        float squares = 0.0f;
+        for (int64_t i = 0; i < K; i++) {
+            float v = residual ? x[i] + residual[i] : x[i];
+            sum_out[i] = v;
+            squares += v * v;
+        }
+        float inverse = 1.0f / sqrtf(squares / (float)K + eps);
+        for (int64_t i = 0; i < K; i++)
+            h[i] = sum_out[i] * inverse * (unit_offset ? 1.0f + norm_weight[i] : norm_weight[i]);
+    } else if (prologue == SILU_GATE) {
+        for (int64_t i = 0; i < K; i++) h[i] = x[i] / (1.0f + expf(-x[i])) * x[K + i];
+    } else {
+        const float root = 0.7978845608028654f;  /* sqrt(2 / pi) */
+        for (int64_t i = 0; i < K; i++) {
+            float g = x[i];
+            h[i] = 0.5f * g * (1.0f + tanhf(root * (g + 0.044715f * g * g * g))) * x[K + i];
+        }
+    }
+}
+
+INLINE float factor(const void* p, int64_t i, const int half) {
+    return half ? _cvtsh_ss(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+/* The 32 codes of a block as bytes in value order: 4-bit codes (value i in the low nibble of byte i,
+   value 16 + i in the high one) widened to unsigned bytes, or 8-bit signed codes as stored. */
+INLINE __m256i load_codes(const uint8_t* p, const int four_bit) {
+    if (four_bit) {
+        __m128i b = _mm_loadu_si128((const __m128i*)p);
+        __m128i low = _mm_and_si128(b, _mm_set1_epi8(15));
+        __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+        return _mm256_set_m128i(high, low);
+    }
+    return _mm256_loadu_si256((const __m256i*)p);
+}
+
+/* Eight int32 sums of 4 products code * q each (lanes 0-3: values 0-15, lanes 4-7: 16-31), as floats.
+   maddubs takes an unsigned first operand: signed codes lend their sign to q. No pair sum saturates
+   (|code| <= 128, |q| <= 127). */
+INLINE __m256 block_dots(__m256i codes, __m256i magnitudes, __m256i q, const int four_bit) {
+    __m256i pairs = four_bit ? _mm256_maddubs_epi16(codes, q)
+                             : _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(q, codes));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* Block c of output row n against R (1 or 4) quantized input rows, into acc[r] and offsets[r]. */
+INLINE void block_step(const uint8_t* codes, const void* scale, const void* offset, int64_t n, int64_t c,
+                       const int8_t* q, const float* step, const float* sums, int64_t K, const int R,
+                       const int group, const int four_bit, const int half, const int has_offset,
+                       __m256* acc, float* offsets) {
+    int64_t blocks = K / 32, groups = K / group, bytes = four_bit ? 16 : 32;
+    __m256i w = load_codes(codes + (n * blocks + c) * bytes, four_bit);
+    __m256i magnitudes = four_bit ? w : _mm256_abs_epi8(w);
+    int64_t g = n * groups + (group == 32 ? c : 2 * c);
+    float s0 = factor(scale, g, half), s1 = group == 32 ? s0 : factor(scale, g + 1, half);
+    float o0 = has_offset ? factor(offset, g, half) : 0.0f;
+    float o1 = has_offset && group == 16 ? factor(offset, g + 1, half) : 0.0f;
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        __m256i qr = _mm256_loadu_si256((const __m256i*)(q + r * K + c * 32));
+        __m256 dots = block_dots(w, magnitudes, qr, four_bit);
+        float d = step[r * blocks + c];
+        __m256 factors = group == 32 ? _mm256_set1_ps(s0 * d)
+                                     : _mm256_set_m128(_mm_set1_ps(s1 * d), _mm_set1_ps(s0 * d));
+        acc[r] = _mm256_fmadd_ps(dots, factors, acc[r]);
+        if (has_offset) {
+            const float* half_sums = sums + r * 3 * blocks + blocks + 2 * c;
+            offsets[r] += group == 32 ? o0 * (half_sums[0] + half_sums[1])
+                                      : o0 * half_sums[0] + o1 * half_sums[1];
+        }
+    }
+}
+
+INLINE __m256 load_factors(const void* p, int64_t i, const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i)))
+                : _mm256_loadu_ps((const float*)p + i);
+}
+
+/* Blocks [c, c + 8) of output row n against R quantized input rows, groups of 32: the eight blocks'
+   factors scale * step are formed in one vector per row and each block takes its lane; the offset terms
+   offset * sum(x) of the eight blocks go into the even accumulator as one vector. */
+INLINE void eight_blocks(const uint8_t* codes, const void* scale, const void* offset, int64_t n, int64_t c,
+                         const int8_t* q, const float* step, const float* sums, int64_t K, const int R,
+                         const int four_bit, const int half, const int has_offset, __m256* even,
+                         __m256* odd) {
+    int64_t blocks = K / 32, bytes = four_bit ? 16 : 32;
+    __m256 scales = load_factors(scale, n * blocks + c, half), factors[4];
+    __m256 offsets = has_offset ? load_factors(offset, n * blocks + c, half) : _mm256_setzero_ps();
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        factors[r] = _mm256_mul_ps(scales, _mm256_loadu_ps(step + r * blocks + c));
+        if (has_offset)
+            even[r] = _mm256_fmadd_ps(offsets, _mm256_loadu_ps(sums + r * 3 * blocks + c), even[r]);
+    }
+    #pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        __m256i w = load_codes(codes + (n * blocks + c + j) * bytes, four_bit);
+        __m256i magnitudes = four_bit ? w : _mm256_abs_epi8(w);
+        __m256i lane = _mm256_set1_epi32(j);
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m256i qr = _mm256_loadu_si256((const __m256i*)(q + r * K + (c + j) * 32));
+            __m256 dots = block_dots(w, magnitudes, qr, four_bit);
+            __m256 factor = _mm256_permutevar8x32_ps(factors[r], lane);
+            if (j & 1) odd[r] = _mm256_fmadd_ps(dots, factor, odd[r]);
+            else even[r] = _mm256_fmadd_ps(dots, factor, even[r]);
+        }
+    }
+}
+
+/* Output row n against R (1 or 4) quantized input rows. Even and odd blocks go to two accumulators (two
+   dependency chains), folded in the same order whatever R is. */
+INLINE void row_dots(const uint8_t* codes, const void* scale, const void* offset, int64_t n,
+                     const int8_t* q, const float* step, const float* sums, int64_t K, const int R,
+                     const int group, const int four_bit, const int half, const int has_offset, float* y,
+                     int64_t stride) {
+    __m256 even[4], odd[4];
+    float even_offsets[4] = {0.0f, 0.0f, 0.0f, 0.0f}, odd_offsets[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t blocks = K / 32, c = 0;
+    if (group == 32)
+        for (; c + 8 <= blocks; c += 8)
+            eight_blocks(codes, scale, offset, n, c, q, step, sums, K, R, four_bit, half, has_offset, even,
+                         odd);
+    for (; c + 2 <= blocks; c += 2) {
+        block_step(codes, scale, offset, n, c, q, step, sums, K, R, group, four_bit, half, has_offset, even,
+                   even_offsets);
+        block_step(codes, scale, offset, n, c + 1, q, step, sums, K, R, group, four_bit, half, has_offset,
+                   odd, odd_offsets);
+    }
+    if (c < blocks)
+        block_step(codes, scale, offset, n, c, q, step, sums, K, R, group, four_bit, half, has_offset, even,
+                   even_offsets);
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        y[r * stride] = hsum(_mm256_add_ps(even[r], odd[r])) + (even_offsets[r] + odd_offsets[r]);
+}
+
+typedef void (*row_fn)(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*,
+                       const void*, const void*, int64_t, int64_t, int64_t, float*);
+
+#define VARIANT(NAME, GROUP, FOUR, HALF, OFF)                                                              \
+    static void NAME(const int8_t* q, const float* step, const float* sums, int64_t M, int64_t K,         \
+                     const uint8_t* codes, const void* scale, const void* offset, int64_t n0, int64_t n1, \
+                     int64_t N, float* y) {                                                               \
+        int64_t blocks = K / 32;                                                                          \
+        for (int64_t n = n0; n < n1; n++) {                                                               \
+            int64_t m = 0;                                                                                \
+            for (; M - m >= 4; m += 4)                                                                    \
+                row_dots(codes, scale, offset, n, q + m * K, step + m * blocks, sums + m * 3 * blocks, K,  \
+                         4, GROUP, FOUR, HALF, OFF, y + m * N + n, N);                                    \
+            for (; m < M; m++)                                                                            \
+                row_dots(codes, scale, offset, n, q + m * K, step + m * blocks, sums + m * 3 * blocks, K,  \
+                         1, GROUP, FOUR, HALF, OFF, y + m * N + n, N);                                    \
+        }                                                                                                 \
+    }
+VARIANT(q4_half_off, 32, 1, 1, 1) VARIANT(q4_float_off, 32, 1, 0, 1)
+VARIANT(q4_half, 32, 1, 1, 0) VARIANT(q4_float, 32, 1, 0, 0)
+VARIANT(q8_half, 32, 0, 1, 0) VARIANT(q8_float, 32, 0, 0, 0)
+VARIANT(q8_half_off, 32, 0, 1, 1) VARIANT(q8_float_off, 32, 0, 0, 1)
+VARIANT(q8g16_half, 16, 0, 1, 0) VARIANT(q8g16_float, 16, 0, 0, 0)
+VARIANT(q8g16_half_off, 16, 0, 1, 1) VARIANT(q8g16_float_off, 16, 0, 0, 1)
+
+static row_fn variant(int group, int four_bit, int half, int has_offset) {
+    /* [group 16 / 32][8-bit / 4-bit][float / half factors][offset] */
+    static const row_fn table[2][2][2][2] = {
+        {{{q8g16_float, q8g16_float_off}, {q8g16_half, q8g16_half_off}}, {{0, 0}, {0, 0}}},
+        {{{q8_float, q8_float_off}, {q8_half, q8_half_off}},
+         {{q4_float, q4_float_off}, {q4_half, q4_half_off}}},
+    };
+    if (group != 16 && group != 32) return 0;
+    return table[group == 32][four_bit != 0][half != 0][has_offset != 0];
+}
+
+/* y[m, n] ~ sum_k h[m, k] * w[n, k], h the rows formed by the prologue (PLAIN: h = x); 1 for an unknown
+   format, 2 where scratch memory is short. x rows are 2K long for the gates, K otherwise. */
+int gguf_linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scale,
+                     const void* offset, int64_t N, int group, int four_bit, int half, float* y,
+                     int threads, int prologue, const float* residual, float* sum_out,
+                     const float* norm_weight, float eps, int unit_offset) {
+    row_fn fn = variant(group, four_bit, half, offset != 0);
+    if (fn == 0 || K % 32 != 0) return 1;
+    int64_t blocks = K / 32, x_stride = prologue >= SILU_GATE ? 2 * K : K;
+    int8_t* q = malloc(M * K);
+    float* step = malloc(M * blocks * sizeof(float));
+    float* sums = malloc(M * 3 * blocks * sizeof(float));
+    float* h = prologue == PLAIN ? 0 : malloc(M * K * sizeof(float));
+    int status = (q && step && sums && (prologue == PLAIN || h)) ? 0 : 2;
+    if (status == 0) {
+        #pragma omp parallel num_threads(threads)
+        {
+            #pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {
+                const float* row = x + m * x_stride;
+                if (prologue != PLAIN) {
+                    form_row(prologue, row, K, residual ? residual + m * K : 0, sum_out + m * K,
+                             norm_weight, eps, unit_offset, h + m * K);
+                    row = h + m * K;
+                }
+                quantize_row(row, K, q + m * K, step + m * blocks, sums + m * 3 * blocks);
+            }
+            int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+            fn(q, step, sums, M, K, codes, scale, offset, N * t / count, N * (t + 1) / count, N, y);
+        }
+    }
+    free(q);
+    free(step);
+    free(sums);
+    free(h);
+    return status;
+}
+#endif
+"""
+
+
+# The prologues (the C enum): the rows the projection multiplies, formed from the caller's rows.
+PLAIN, RMS_NORM, SILU_GATE, GELU_TANH_GATE = 0, 1, 2, 3
+GATE_PROLOGUES = {"silu": SILU_GATE, "gelu_tanh": GELU_TANH_GATE}
+
+
+@dataclass(frozen=True)
+class NormPrologue:
+    """An RMSNorm before the projection: ``norm(x + residual)`` (no residual: ``norm(x)``)."""
+
+    weight: torch.Tensor  # float32 [K]
+    eps: float
+    unit_offset: bool  # the scale is 1 + weight (Gemma)
+    residual: torch.Tensor | None
+
+
+@cache
+def load_int8_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, or None where it cannot be built (no compiler, or no AVX2)."""
+    library = compile_library("gguf_linear_int8", _SOURCE)
+    if library is None or not hasattr(library, "gguf_linear_int8"):
+        return None
+    pointer, size, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.gguf_linear_int8.restype = ctypes.c_int
+    library.gguf_linear_int8.argtypes = [
+        pointer, size, size, pointer, pointer, pointer, size, flag, flag, flag, pointer, flag,  # x .. threads
+        flag, pointer, pointer, pointer, ctypes.c_float, flag,  # prologue, residual, sum_out, norm w, eps, unit
+    ]  # fmt: skip
+    return library
+
+
+def run_int8_kernel(
+    library: ctypes.CDLL,
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    group: int,
+    prologue: int | NormPrologue = PLAIN,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[M, N]`` products of the rows formed from contiguous float32 ``x`` by ``prologue`` (``[M, K]``
+    for PLAIN and a norm, ``[M, 2K]`` for a gate), rounded to int8 per block of 32, with the packed
+    weight (see the module docstring); and for a norm, ``x + residual`` (else None)."""
+    rows = x.shape[0]
+    cols = codes.shape[1] * group
+    out = torch.empty(rows, codes.shape[0], dtype=torch.float32)
+    norm = prologue if isinstance(prologue, NormPrologue) else None
+    total = torch.empty(rows, cols, dtype=torch.float32) if norm is not None else None
+    residual = None if norm is None or norm.residual is None else norm.residual.float().contiguous()
+    status = library.gguf_linear_int8(
+        x.data_ptr(), rows, cols, codes.data_ptr(), scale.data_ptr(),
+        None if offset is None else offset.data_ptr(), codes.shape[0], group,
+        int(codes.dtype == torch.uint8), int(scale.dtype == torch.float16), out.data_ptr(),
+        torch.get_num_threads(), RMS_NORM if norm is not None else prologue,
+        None if residual is None else residual.data_ptr(), None if total is None else total.data_ptr(),
+        None if norm is None else norm.weight.data_ptr(), 0.0 if norm is None else norm.eps,
+        int(norm is not None and norm.unit_offset),
+    )  # fmt: skip
+    if status == 2:
+        raise MemoryError("the int8 GGUF kernel could not allocate its scratch buffers")
+    if status != 0:
+        raise ValueError(f"the int8 GGUF kernel has no {codes.dtype} variant with groups of {group}")
+    return out, total
