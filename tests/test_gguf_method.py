@@ -106,8 +106,9 @@ def test_real_models_through_the_gguf_method_decode_the_float32_greedy_tokens(
     model: str, request: pytest.FixtureRequest
 ) -> None:
     """SmolLM2 Q4_1 (the default model) and Gemma 3 Q4_K_M (Q5_0 q/k beside Q8_0 v: a fused weight in
-    two formats) loaded with ``quantization="gguf"`` and float32 inputs: 32 greedy tokens of one sequence and of four
-    together equal those of the float32 engine (over conftest's shared float32 load of the same file)."""
+    two formats) loaded with ``quantization="gguf"``, float32 inputs: 32 greedy tokens of one sequence and
+    of four together equal those of the float32 engine (over conftest's shared float32 load of the same
+    file)."""
     from tokenmill.llm import LLM
     from tokenmill.sampling_params import SamplingParams
 

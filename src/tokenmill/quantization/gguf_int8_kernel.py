@@ -321,7 +321,7 @@ def load_int8_kernel() -> ctypes.CDLL | None:
     library.gguf_linear_int8.restype = ctypes.c_int
     library.gguf_linear_int8.argtypes = [
         pointer, size, size, pointer, pointer, pointer, size, flag, flag, flag, pointer, flag,  # x .. threads
-        flag, pointer, pointer, pointer, ctypes.c_float, flag,  # prologue, residual, sum_out, norm w, eps, unit
+        flag, pointer, pointer, pointer, ctypes.c_float, flag,  # prologue .. norm's unit_offset
     ]  # fmt: skip
     return library
 

@@ -8,8 +8,11 @@ rows (and, row-parallel, its block-aligned columns) as blocks, and once every ro
 packs them (:func:`pack_parts`: one weight per run of parts in one format). ``layer.weight`` is a
 placeholder with no columns: the engine only asks it for its device and dtype.
 
-CPU only (the kernel is a C loop), float32 activations; the weights are bit-identical to the float32
-dequantized ones, so greedy tokens stay comparable with the float32 engine.
+CPU only (the kernels are C loops). The weights are bit-identical to the float32 dequantized ones; with
+``KernelOptions.gguf_int8_activations`` (the engine's default on AVX2) the inputs are rounded to int8 per
+block of 32 and multiplied as integers (``gguf_int8_kernel.py``), and :func:`fused_int8_linear` lets the
+norm or activation before a projection run in the same call; off, float32 inputs give the float32
+engine's results up to summation order.
 """
 
 from functools import partial

@@ -13,6 +13,8 @@ Exactness: the weights are bit-identical to gguf-py's dequantized float32 (a one
 weight column exactly); results differ from ``F.linear`` on those weights by float32 summation order only.
 Each output element is one reduction over the input, in an order fixed by the kernel, so a row's
 result does not depend on how many rows share the call (the same discipline as ``prepacked_cpu_linear``).
+``int8_activations`` (``gguf_int8_kernel.py``) rounds the inputs instead, llama.cpp's way: same codes,
+integer products, the same batch independence.
 """
 
 from dataclasses import dataclass

@@ -161,7 +161,6 @@ def _decode_runs(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
     float_inputs = {
         c: best(lambda b: _tokenmill_run(float_inputs_llm, b, args.new_tokens), c) for c in args.sequences
     }
-    del float_inputs_llm
     packed_llm = _engine(path, "gguf", args)
     packed = {c: best(lambda b: _tokenmill_run(packed_llm, b, args.new_tokens), c) for c in args.sequences}
     step_bytes = _weight_bytes(packed_llm)
@@ -230,7 +229,8 @@ def _report(args: argparse.Namespace, path: Path, lines: list[dict[str, Any]], b
         "(= where none do)",
         "- tokenmill gguf: `quantization=\"gguf\"`, the packed codes; float32 inputs: "
         "`gguf_int8_activations=False` (the exact float32 weights times float32 inputs); int8 inputs (the "
-        "default): each input row rounded to int8 per block of 32 and multiplied as integers, as llama.cpp does",
+        "default): each input row rounded to int8 per block of 32 and multiplied as integers, as llama.cpp "
+        "does",
         "- weight bytes / copy bandwidth: the packed engine's weight bytes read per step times steps per "
         "second, over the copy bandwidth",
     ])  # fmt: skip

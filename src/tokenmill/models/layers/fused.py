@@ -84,6 +84,7 @@ class PreNormLinear(FusableLayer):
         if fused is None:
             return self.forward_unfused(hidden, residual)
         out, total = fused
+        assert total is not None  # a norm prologue returns the sum it normalized
         return out, hidden if residual is None else total
 
 
