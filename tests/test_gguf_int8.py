@@ -144,3 +144,16 @@ def test_the_real_default_model_with_int8_inputs_agrees_with_the_float32_model(
     agreement = sum(a == b for a, b in zip(top, expected_top, strict=True)) / len(top)
     assert len(top) >= 50 and agreement >= 0.9, agreement
     assert tokens[:4] == expected_tokens[:4]
+
+
+def test_inputs_of_the_wrong_shape_are_refused_before_the_c_loop_reads_them() -> None:
+    packed = pack_blocks(make_blocks(Q.Q8_0, 8, 64))
+    with pytest.raises(ValueError, match=r"the weight takes \[rows, 128\] float32"):
+        packed.fused_int8_linear(torch.randn(2, 64), GATE_PROLOGUES["silu"])  # a gate needs 2K
+    with pytest.raises(ValueError, match=r"norm weight of shape \(32,\)"):
+        packed.fused_int8_linear(torch.randn(2, 64), NormPrologue(torch.ones(32), 1e-6, False, None))
+    with pytest.raises(ValueError, match="residual of shape"):
+        packed.fused_int8_linear(
+            torch.randn(2, 64), NormPrologue(torch.ones(64), 1e-6, False, torch.ones(3, 64))
+        )
+    assert packed.linear(torch.randn(0, 64), int8_activations=True).shape == (0, 8)

@@ -263,6 +263,7 @@ int gguf_linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* codes,
                      const float* norm_weight, float eps, int unit_offset) {
     row_fn fn = variant(group, four_bit, half, offset != 0);
     if (fn == 0 || K % 32 != 0) return 1;
+    if (M == 0) return 0;
     int64_t blocks = K / 32, x_stride = prologue >= SILU_GATE ? 2 * K : K;
     int8_t* q = malloc(M * K);
     float* step = malloc(M * blocks * sizeof(float));
@@ -326,6 +327,25 @@ def load_int8_kernel() -> ctypes.CDLL | None:
     return library
 
 
+def _check_shapes(
+    x: torch.Tensor, cols: int, prologue: int | NormPrologue, norm: NormPrologue | None
+) -> None:
+    """The C loop reads what the weight's shape says: refuse inputs of another shape before it runs."""
+    width = 2 * cols if prologue in GATE_PROLOGUES.values() else cols
+    if x.dim() != 2 or x.shape[1] != width or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(
+            f"input of shape {tuple(x.shape)} ({x.dtype}); the weight takes [rows, {width}] float32"
+        )
+    if norm is None:
+        return
+    if norm.weight.shape != (cols,) or norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
+        raise ValueError(
+            f"norm weight of shape {tuple(norm.weight.shape)}; the projection takes [{cols}] float32"
+        )
+    if norm.residual is not None and norm.residual.shape != x.shape:
+        raise ValueError(f"residual of shape {tuple(norm.residual.shape)} beside input {tuple(x.shape)}")
+
+
 def run_int8_kernel(
     library: ctypes.CDLL,
     x: torch.Tensor,
@@ -340,8 +360,9 @@ def run_int8_kernel(
     weight (see the module docstring); and for a norm, ``x + residual`` (else None)."""
     rows = x.shape[0]
     cols = codes.shape[1] * group
-    out = torch.empty(rows, codes.shape[0], dtype=torch.float32)
     norm = prologue if isinstance(prologue, NormPrologue) else None
+    _check_shapes(x, cols, prologue, norm)
+    out = torch.empty(rows, codes.shape[0], dtype=torch.float32)
     total = torch.empty(rows, cols, dtype=torch.float32) if norm is not None else None
     residual = None if norm is None or norm.residual is None else norm.residual.float().contiguous()
     status = library.gguf_linear_int8(
