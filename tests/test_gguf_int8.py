@@ -2,12 +2,15 @@
 and multiplied as integers (``quantization/gguf_int8_kernel.py``), against a naive PyTorch reference of
 the same arithmetic built from gguf-py's decoded codes, and in the engine against the float32 model."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from engine_helpers import in_thread, llm_for
+from gguf_fixtures import GGUF_ARCH, save_hf_model, tiny_gguf_config, write_gguf
 from test_gguf_packed import QTYPES, make_blocks
 from tokenmill.quantization.gguf_blocks import decode_blocks
 from tokenmill.quantization.gguf_int8_kernel import (
@@ -140,6 +143,7 @@ def test_the_real_default_model_with_int8_inputs_agrees_with_the_float32_model(
     packed = LLM(str(request.getfixturevalue("smollm2_gguf_path")), max_model_len=256, max_num_seqs=1,
                  quantization="gguf")  # fmt: skip
     assert packed.engine.config.kernels.gguf_int8_activations
+    assert packed.engine.runner.model.model._decode_blocks is not None  # decode steps take the C blocks
     top, tokens = run(packed)
     agreement = sum(a == b for a, b in zip(top, expected_top, strict=True)) / len(top)
     assert len(top) >= 50 and agreement >= 0.9, agreement
@@ -157,3 +161,37 @@ def test_inputs_of_the_wrong_shape_are_refused_before_the_c_loop_reads_them() ->
             torch.randn(2, 64), NormPrologue(torch.ones(64), 1e-6, False, torch.ones(3, 64))
         )
     assert packed.linear(torch.randn(0, 64), int8_activations=True).shape == (0, 8)
+
+
+@pytest.mark.parametrize(("name", "qtype", "in_c"), [("llama3", Q.Q4_0, True), ("qwen2", Q.Q8_0, False)])
+def test_decode_steps_through_the_c_blocks_give_the_python_paths_tokens_and_logprobs_bit_for_bit(
+    name: str, qtype: GGMLQuantizationType, in_c: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``gguf_decode_blocks`` calls the same kernels in the same order as the Python blocks: three
+    sequences of different lengths decode the same tokens with the same logprobs. Plain Llama blocks
+    take the C loop (its runs counted); Qwen2's biased q/k/v keep the Python one."""
+    from tokenmill.llm import LLM
+    from tokenmill.quantization.gguf_decode_blocks import DecodeBlocks
+    from tokenmill.sampling_params import SamplingParams
+
+    reference = save_hf_model(tiny_gguf_config(name), tmp_path / "hf")
+    path = str(write_gguf(reference, GGUF_ARCH[name], tmp_path / f"{name}.gguf", qtype))
+    prompts = [{"prompt_token_ids": ids} for ids in ([1, 5, 9, 3, 7, 2], [4, 4, 8], list(range(3, 40)))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    ran = []
+    original = DecodeBlocks.run
+    monkeypatch.setattr(DecodeBlocks, "run", lambda self, *a: ran.append(original(self, *a)) or ran[-1])
+
+    def decode(**options: object) -> list[tuple[list[int], list[dict]]]:
+        llm = LLM(path, max_model_len=64, max_num_seqs=3, quantization="gguf", **options)
+        outputs = in_thread(lambda: llm.generate(prompts, params))
+        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
+
+    python = decode(gguf_decode_blocks=False)
+    assert not ran
+    c_blocks = decode()
+    assert (sum(r is not None for r in ran) >= 11) == in_c
+    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(c_blocks, python, strict=True):
+        assert tokens == expected_tokens
+        for got, expected in zip(logprobs, expected_logprobs, strict=True):
+            assert {t: lp.logprob for t, lp in got.items()} == {t: lp.logprob for t, lp in expected.items()}

@@ -135,6 +135,10 @@ class KernelConfig:
     # with the 4- / 8-bit codes as integers, as llama.cpp does (quantization/gguf_int8_kernel.py); off,
     # float32 inputs times the exact float32 weights (the float32 engine's results, up to summation order).
     gguf_int8_activations: bool = True
+    # With gguf_int8_activations: a decode step runs every plain Llama block (no biases, no q/k norms,
+    # SwiGLU) in one C call over the same kernels (quantization/gguf_decode_blocks.py), not ~8 module and
+    # 5 ctypes calls a block from Python; the same results bit for bit.
+    gguf_decode_blocks: bool = True
     fused_rms_norm: bool | None = None  # RMSNorm with the residual add fused in (one launch)
     fused_rotary: bool | None = None  # rotary embedding of q and k in place (one launch)
     fused_activation: bool | None = None  # SwiGLU / GeGLU activation-and-multiply (one launch)

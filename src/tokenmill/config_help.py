@@ -77,6 +77,8 @@ OPTION_HELP: dict[str, str] = {
     "start (a second copy of the weights in memory)",
     "gguf_int8_activations": "quantization gguf on an AVX2 cpu: inputs rounded to int8 per block of 32 and "
     "multiplied with the packed codes as integers (llama.cpp's way); off: float32 inputs, exact weights",
+    "gguf_decode_blocks": "with gguf_int8_activations: a decode step runs every plain Llama block in one C "
+    "call over the same kernels (no Python between them); the same results bit for bit",
     "fused_rms_norm": "Triton RMSNorm with the residual add fused in; unset: on with CUDA + Triton",
     "fused_rotary": "Triton rotary embedding of q and k in place; unset: on with CUDA + Triton",
     "fused_activation": "Triton SwiGLU / GeGLU; unset: on with CUDA + Triton",

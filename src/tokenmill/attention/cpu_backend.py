@@ -17,7 +17,7 @@ from tokenmill.attention.torch_backend import TorchAttentionBackend
 
 
 @dataclass(frozen=True)
-class _DecodeArrays:
+class DecodeArrays:
     """The step's integer inputs as the kernel reads them, converted once per step (shared by the layers)."""
 
     slots: torch.Tensor  # int64 [T]
@@ -25,7 +25,7 @@ class _DecodeArrays:
     seq_lens: torch.Tensor  # int32 [T]
 
     @classmethod
-    def of(cls, metadata: AttentionMetadata) -> "_DecodeArrays":
+    def of(cls, metadata: AttentionMetadata) -> "DecodeArrays":
         found = metadata.derived.get(cls)
         if found is None:
             assert metadata.slot_mapping is not None and metadata.block_tables is not None
@@ -51,14 +51,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_cache: KVCacheLayer | None,
         rotary: PendingRotary | None = None,
     ) -> torch.Tensor:
-        if not _runs_in_c(query, key, value, metadata, kv_cache):
+        if not runs_in_c(query, key, value, metadata, kv_cache):
             return super().forward(layer, query, key, value, metadata, kv_cache, rotary)
         assert kv_cache is not None
         table = rotary.cos_sin_cache if rotary is not None else None
         if rotary is not None and (table is None or table.dtype != torch.float32):
             query, key = rotary.apply(query, key)  # a partial rotation: PyTorch rotates, the kernel does not
             table = None
-        arrays = _DecodeArrays.of(metadata)
+        arrays = decode_arrays(metadata)
         # without a table the kernel reads no position: the slots stand in as a valid int64 array
         positions = arrays.slots if rotary is None or table is None else rotary.positions.to(torch.int64)
         positions = positions.contiguous()  # held in locals: the kernel reads them after data_ptr() returns
@@ -81,7 +81,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return out
 
 
-def _runs_in_c(
+def runs_in_c(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -99,3 +99,8 @@ def _runs_in_c(
         return False
     pools = kv_cache.key.is_contiguous() and kv_cache.value.is_contiguous()
     return pools and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, key, value))
+
+
+def decode_arrays(metadata: AttentionMetadata) -> DecodeArrays:
+    """The step's integer inputs as the C kernel reads them (converted once per step)."""
+    return DecodeArrays.of(metadata)

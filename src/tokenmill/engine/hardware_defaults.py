@@ -191,5 +191,6 @@ def kernel_options_for(config: EngineConfig, device: torch.device) -> KernelOpti
         kernels.programmatic_launch,
         prepacked_cpu_linear=kernels.prepacked_cpu_linear,
         gguf_int8_activations=kernels.gguf_int8_activations,
+        gguf_decode_blocks=kernels.gguf_decode_blocks,
         w8a8=kernels.fused_w8a8,
     )

@@ -14,7 +14,7 @@ from tokenmill.kernels import interpreter_enabled, triton_available
 # Rows (tokens) a projection may have to go through tokenmill.kernels.gemv; more go to cuBLAS, which reads
 # the weights once for all of them.
 GEMV_MAX_ROWS = 1
-_NOT_KERNELS = ("pdl", "prepacked_cpu_linear", "gguf_int8_activations")
+_NOT_KERNELS = ("pdl", "prepacked_cpu_linear", "gguf_int8_activations", "gguf_decode_blocks")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class KernelOptions:
     # Packed GGUF projections (quantization "gguf") with inputs rounded to int8 per block of 32 and integer
     # products (quantization/gguf_int8_kernel.py) where the CPU has AVX2; off, float32 inputs.
     gguf_int8_activations: bool = False
+    # With gguf_int8_activations: decode steps through every plain Llama block in one C call
+    # (quantization/gguf_decode_blocks.py).
+    gguf_decode_blocks: bool = False
 
     @classmethod
     def resolve(
@@ -50,10 +53,11 @@ class KernelOptions:
         prepacked_cpu_linear: bool = False,
         w8a8: bool | None = None,
         gguf_int8_activations: bool = False,
+        gguf_decode_blocks: bool = False,
     ) -> "KernelOptions":
         """Options for a model on ``device``; see the module docstring for None / True / False.
-        ``prepacked_cpu_linear`` and ``gguf_int8_activations`` need no resolving: layers whose weights or
-        CPU cannot take them ignore them."""
+        ``prepacked_cpu_linear`` and the ``gguf_*`` options need no resolving: layers whose weights or CPU
+        cannot take them ignore them."""
         return cls(
             rms_norm=resolve_kernel_toggle("rms_norm", rms_norm, device),
             rotary=resolve_kernel_toggle("rotary", rotary, device),
@@ -63,6 +67,7 @@ class KernelOptions:
             pdl=resolve_pdl(pdl, device),
             prepacked_cpu_linear=prepacked_cpu_linear,
             gguf_int8_activations=gguf_int8_activations,
+            gguf_decode_blocks=gguf_decode_blocks,
         )
 
     @property

@@ -221,7 +221,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(gate_up), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(FusableLayer):
     def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention], max_positions: int) -> None:
         super().__init__()
         assert config.rope is not None
@@ -231,12 +231,38 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, attention_cls(config, i, rotary)) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.configure(KernelOptions())
+
+    def configure(self, options: KernelOptions) -> None:
+        """With ``gguf_decode_blocks`` (and int8 GGUF projections): decode steps through the blocks in one
+        C call where every block is a plain Llama one (see ``quantization/gguf_decode_blocks.py``)."""
+        self._decode_blocks: Any = None
+        if options.gguf_int8_activations and options.gguf_decode_blocks:
+            self._decode_blocks = self._plain_blocks()
+
+    def _plain_blocks(self) -> Any:
+        from tokenmill.quantization.gguf_decode_blocks import DecodeBlocks
+
+        first = self.layers[0]
+        assert isinstance(first, LlamaDecoderLayer)
+        rotary = first.self_attn.rotary_emb  # one table, shared by every block
+        table = rotary.cos_sin_cache
+        if tp_world_size() != 1 or not DecodeBlocks.available() or table.dtype != torch.float32:
+            return None
+        if rotary.rotary_dim != first.self_attn.attn.spec.head_dim:
+            return None
+        blocks = [_plain_block(layer) for layer in self.layers]
+        return None if any(b is None for b in blocks) else DecodeBlocks(blocks, table)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        ran = None if self._decode_blocks is None else self._decode_blocks.run(positions, hidden)
+        if ran is not None:
+            hidden, residual = ran
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual)
         out, _ = self.norm(hidden, residual)
         return out
 
@@ -260,3 +286,25 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden: torch.Tensor = self.model(input_ids, positions)
         return hidden
+
+
+def _plain_block(layer: nn.Module) -> Any:
+    """What the C decode loop needs of a plain Llama block (``BlockWeights``), or None for any other."""
+    from tokenmill.quantization.gguf_decode_blocks import BlockWeights
+    from tokenmill.quantization.gguf_method import single_packed_weight
+
+    if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention:
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(mlp.act_fn) is not SiluAndMul:
+        return None
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    qkv, o, gate_up, down = (single_packed_weight(p) for p in projections)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if qkv is None or o is None or gate_up is None or down is None:
+        return None
+    if any(p.local_bias() is not None for p in projections):
+        return None
+    if any(n.unit_offset or n.weight.dtype != torch.float32 for n in norms):
+        return None
+    return BlockWeights(norms[0].weight, norms[1].weight, norms[0].eps, qkv, o, gate_up, down, attn.attn.spec)

@@ -52,6 +52,12 @@ def packed_weight(layer: Any) -> Packed:
     return packed
 
 
+def single_packed_weight(module: nn.Module) -> PackedWeight | None:
+    """The module's packed weight where it is one (not parts in several formats), else None."""
+    packed = getattr(module, _PACKED, None)
+    return packed if isinstance(packed, PackedWeight) else None
+
+
 def packed_nbytes(module: nn.Module) -> int:
     """Bytes of the packed weight ``module`` holds (0: none), which its placeholder ``weight`` omits."""
     packed: Packed | None = getattr(module, _PACKED, None)
