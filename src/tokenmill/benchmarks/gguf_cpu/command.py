@@ -230,7 +230,7 @@ def _report(args: argparse.Namespace, path: Path, lines: list[dict[str, Any]], b
         "- tokenmill gguf: `quantization=\"gguf\"`, the packed codes; float32 inputs: "
         "`gguf_int8_activations=False` (the exact float32 weights times float32 inputs); int8 inputs (the "
         "default): each input row rounded to int8 per block of 32 and multiplied as integers, as llama.cpp "
-        "does",
+        "does, and decode steps through the plain Llama blocks in one C call (`gguf_decode_blocks`)",
         "- weight bytes / copy bandwidth: the packed engine's weight bytes read per step times steps per "
         "second, over the copy bandwidth",
     ])  # fmt: skip
