@@ -182,6 +182,7 @@ def resolve_device(device: str) -> torch.device:
 def kernel_options_for(config: EngineConfig, device: torch.device) -> KernelOptions:
     """The kernels a resolved ``config`` binds into the model on ``device`` (every rank binds the same)."""
     kernels = config.kernels
+    packed_gguf = config.quantization == "gguf" and device.type == "cpu"  # the only weights they apply to
     return KernelOptions.resolve(
         device,
         kernels.fused_rms_norm,
@@ -190,7 +191,7 @@ def kernel_options_for(config: EngineConfig, device: torch.device) -> KernelOpti
         kernels.fused_gemv,
         kernels.programmatic_launch,
         prepacked_cpu_linear=kernels.prepacked_cpu_linear,
-        gguf_int8_activations=kernels.gguf_int8_activations,
-        gguf_decode_blocks=kernels.gguf_decode_blocks,
+        gguf_int8_activations=packed_gguf and kernels.gguf_int8_activations,
+        gguf_decode_blocks=packed_gguf and kernels.gguf_decode_blocks,
         w8a8=kernels.fused_w8a8,
     )
