@@ -175,6 +175,8 @@ class DecodeBlocks:
         caches, metadata = ctx.kv_caches, ctx.metadata
         if not isinstance(ctx.backend, CpuAttentionBackend) or caches is None:
             return None
+        if len(caches) != len(self.blocks):  # a pool for each block, no more, no fewer
+            return None
         if embeddings.dtype != torch.float32 or embeddings.dim() != 2:
             return None
         width = self.blocks[0].qkv.out_features
