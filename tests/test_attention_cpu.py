@@ -1,14 +1,15 @@
 """The CPU backend's C decode step against the PyTorch reference backend: the same outputs (float32
 rounding), the same keys and values stored in the pool bit for bit, with grouped-query heads, sliding
-windows, rotary on and off (and one without a table: PyTorch applies it first), skipped slots, and
-block tables that scatter the contexts; steps it does not take go to the reference unchanged."""
+windows, rotary on and off (and one without a table: PyTorch applies it first), skipped slots, block
+tables that scatter the contexts, and several new tokens per sequence (speculative verification); steps
+it does not take go to the reference unchanged."""
 
 import pytest
 import torch
 
 from tokenmill.attention import AttentionMetadata, KVCacheLayer, PendingRotary
 from tokenmill.attention.backend import AttentionLayer
-from tokenmill.attention.cpu_backend import CpuAttentionBackend
+from tokenmill.attention.cpu_backend import C_MAX_QUERY_LEN, CpuAttentionBackend
 from tokenmill.attention.cpu_kernel import load_decode_attention
 from tokenmill.attention.torch_backend import TorchAttentionBackend
 from tokenmill.models.config import RopeConfig
@@ -82,25 +83,61 @@ def test_decode_step_matches_the_reference(
     assert torch.equal(caches[1].key, caches[0].key) and torch.equal(caches[1].value, caches[0].value)
 
 
-def test_steps_it_does_not_take_go_to_the_reference() -> None:
-    """A prefill chunk (several new tokens of one sequence) takes the PyTorch path, with the same result."""
-    pool, _, _, generator = _step([9], 2, 16, seed=3)
-    tables = torch.arange(3, dtype=torch.int32)[None, :]
+def _chunk_step(new_tokens: list[int], contexts: list[int], seed: int):  # type: ignore[no-untyped-def]
+    """A step where sequence b brings ``new_tokens[b]`` tokens after ``contexts[b]`` cached ones, its blocks
+    handed out shuffled."""
+    generator = torch.Generator().manual_seed(seed)
+    totals = [n + c for n, c in zip(new_tokens, contexts, strict=True)]
+    blocks_per_seq = [-(-n // BLOCK) for n in totals]
+    order = torch.randperm(sum(blocks_per_seq) + 2, generator=generator).tolist()
+    tables = torch.zeros(len(totals), max(blocks_per_seq), dtype=torch.int32)
+    taken = 0
+    for b, count in enumerate(blocks_per_seq):
+        tables[b, :count] = torch.tensor(order[taken : taken + count])
+        taken += count
+    positions = torch.cat([torch.arange(c, c + n) for n, c in zip(new_tokens, contexts, strict=True)])
+    sequence = torch.repeat_interleave(torch.arange(len(totals)), torch.tensor(new_tokens))
+    slots = tables[sequence, positions // BLOCK].long() * BLOCK + positions % BLOCK
+    starts = torch.zeros(len(totals) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(new_tokens), 0)
     metadata = AttentionMetadata(
-        query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
-        seq_lens=torch.tensor([9], dtype=torch.int32),
-        max_query_len=5,
-        max_seq_len=9,
-        slot_mapping=torch.arange(4, 9),
+        query_start_loc=starts,
+        seq_lens=torch.tensor(totals, dtype=torch.int32),
+        max_query_len=max(new_tokens),
+        max_seq_len=max(totals),
+        slot_mapping=slots,
         block_tables=tables,
     )
-    layer = AttentionLayer(0, 4, 2, 16, 0.25)
-    q, k, v = (torch.randn(5, h, 16, generator=generator) for h in (4, 2, 2))
-    rotary = PendingRotary(torch.arange(4, 9), lambda a, b: (a, b), None)
+    pool = torch.randn(2, len(order), BLOCK, 2, 16, generator=generator)
+    return pool, positions, metadata, generator
+
+
+def _both_backends(new_tokens: list[int], contexts: list[int], window: int | None = None):  # type: ignore[no-untyped-def]
+    pool, positions, metadata, generator = _chunk_step(new_tokens, contexts, seed=sum(new_tokens))
+    layer = AttentionLayer(0, 4, 2, 16, 0.25, window)
+    rows = len(positions)
+    q, k, v = (torch.randn(rows, h, 16, generator=generator) for h in (4, 2, 2))
+    rotary = RotaryEmbedding(16, 64, RopeConfig(theta=10000.0)).pending(positions, 16)
     caches = [KVCacheLayer(pool[0].clone(), pool[1].clone()) for _ in range(2)]
-    expected = TorchAttentionBackend().forward(layer, q, k, v, metadata, caches[0], rotary)
+    expected = TorchAttentionBackend().forward(
+        layer, q.clone(), k.clone(), v.clone(), metadata, caches[0], rotary
+    )
     metadata.derived.clear()
     assert LIBRARY is not None
-    assert torch.equal(
-        CpuAttentionBackend(LIBRARY).forward(layer, q, k, v, metadata, caches[1], rotary), expected
-    )
+    got = CpuAttentionBackend(LIBRARY).forward(layer, q, k, v, metadata, caches[1], rotary)
+    return got, expected, caches
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_several_new_tokens_per_sequence_attend_causally_as_the_reference(window: int | None) -> None:
+    """Speculative verification steps (1 + k tokens after a context) and short chunks, beside a one-token
+    decode: each row attends up to its own position, the new keys and values stored bit for bit."""
+    got, expected, caches = _both_backends([5, 1, 13, 3], [9, 14, 0, 22], window)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[1].key, caches[0].key) and torch.equal(caches[1].value, caches[0].value)
+
+
+def test_steps_it_does_not_take_go_to_the_reference() -> None:
+    """A prefill chunk longer than ``C_MAX_QUERY_LEN`` takes the PyTorch path, with the same result."""
+    got, expected, _ = _both_backends([C_MAX_QUERY_LEN + 1, 1], [3, 7])
+    assert torch.equal(got, expected)

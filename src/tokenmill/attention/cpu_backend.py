@@ -1,9 +1,12 @@
 """The CPU attention backend: a decode step's attention in one C call per layer
 (:mod:`tokenmill.attention.cpu_kernel`), everything else as the PyTorch reference does it.
 
-The C call takes steps whose rows are all one-token decodes over a paged float32 pool (every decode step
-of a running batch); prefill chunks, mixed steps, other dtypes and steps without a KV cache go to the
-PyTorch backend it extends.
+The C call takes steps of up to ``C_MAX_QUERY_LEN`` new tokens per sequence over a paged float32 pool:
+every decode step of a running batch, and the verification steps of speculative decoding (1 + k tokens).
+The kernel reads one row per new token; a sequence's several rows each get the sequence's block table
+and a context that ends at the row's own position (the kernel stores every new key and value before any
+row attends, so that is causal attention). Longer prefill chunks, other dtypes and steps without a KV
+cache go to the PyTorch backend it extends.
 """
 
 import ctypes
@@ -14,6 +17,10 @@ import torch
 from tokenmill.attention.backend import AttentionLayer, PendingRotary
 from tokenmill.attention.metadata import AttentionMetadata, KVCacheLayer
 from tokenmill.attention.torch_backend import TorchAttentionBackend
+
+# New tokens per sequence the C call takes: speculative verification steps (1 + k, k <= 12 by default) and
+# short chunks. Longer prefills attend through PyTorch's batched matmuls, faster there than one row at a time.
+C_MAX_QUERY_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -29,10 +36,17 @@ class DecodeArrays:
         found = metadata.derived.get(cls)
         if found is None:
             assert metadata.slot_mapping is not None and metadata.block_tables is not None
+            tables, lens = metadata.block_tables, metadata.seq_lens
+            if metadata.max_query_len > 1:  # one row per new token: its sequence's table, its own length
+                ends = metadata.query_start_loc[1:].long()
+                counts = ends.diff(prepend=ends.new_zeros(1))
+                sequence = torch.repeat_interleave(torch.arange(len(ends)), counts)
+                rows = torch.arange(len(sequence))
+                tables, lens = tables[sequence], lens[sequence] - (ends[sequence] - rows) + 1
             found = metadata.derived[cls] = cls(
                 metadata.slot_mapping.to(torch.int64).contiguous(),
-                metadata.block_tables.to(torch.int32).contiguous(),
-                metadata.seq_lens.to(torch.int32).contiguous(),
+                tables.to(torch.int32).contiguous(),
+                lens.to(torch.int32).contiguous(),
             )
         return found
 
@@ -88,11 +102,11 @@ def runs_in_c(
     metadata: AttentionMetadata,
     kv_cache: KVCacheLayer | None,
 ) -> bool:
-    """A step of one-token decodes only, float32 on the CPU over a contiguous paged pool, each row's heads
-    laid out contiguously (the q / k / v views of a fused projection are)."""
-    if kv_cache is None or metadata.max_query_len != 1 or metadata.block_tables is None:
+    """A step of up to ``C_MAX_QUERY_LEN`` new tokens per sequence, float32 on the CPU over a contiguous
+    paged pool, each row's heads laid out contiguously (the q / k / v views of a fused projection are)."""
+    if kv_cache is None or metadata.block_tables is None or metadata.slot_mapping is None:
         return False
-    if metadata.slot_mapping is None or query.shape[0] != metadata.num_seqs:
+    if metadata.max_query_len > C_MAX_QUERY_LEN or query.shape[0] != metadata.slot_mapping.shape[0]:
         return False
     tensors = (query, key, value, kv_cache.key, kv_cache.value)
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
