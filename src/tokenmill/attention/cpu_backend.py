@@ -37,7 +37,7 @@ class DecodeArrays:
         if found is None:
             assert metadata.slot_mapping is not None and metadata.block_tables is not None
             tables, lens = metadata.block_tables, metadata.seq_lens
-            if metadata.max_query_len > 1:  # one row per new token: its sequence's table, its own length
+            if len(metadata.slot_mapping) != metadata.num_seqs:  # a row per token: its table, its own length
                 ends = metadata.query_start_loc[1:].long()
                 counts = ends.diff(prepend=ends.new_zeros(1))
                 sequence = torch.repeat_interleave(torch.arange(len(ends)), counts)
