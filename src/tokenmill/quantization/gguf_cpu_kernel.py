@@ -25,7 +25,31 @@ import torch
 
 from tokenmill.native import compile_library
 
-_SOURCE = r"""
+# The twelve format variants (a VARIANT macro each source defines) and the table that picks one: shared
+# by this kernel and gguf_int8_kernel.py, whose variants take the same formats.
+FORMAT_DISPATCH = r"""
+VARIANT(q4_half_off, 32, 1, 1, 1) VARIANT(q4_float_off, 32, 1, 0, 1)
+VARIANT(q4_half, 32, 1, 1, 0) VARIANT(q4_float, 32, 1, 0, 0)
+VARIANT(q8_half, 32, 0, 1, 0) VARIANT(q8_float, 32, 0, 0, 0)
+VARIANT(q8_half_off, 32, 0, 1, 1) VARIANT(q8_float_off, 32, 0, 0, 1)
+VARIANT(q8g16_half, 16, 0, 1, 0) VARIANT(q8g16_float, 16, 0, 0, 0)
+VARIANT(q8g16_half_off, 16, 0, 1, 1) VARIANT(q8g16_float_off, 16, 0, 0, 1)
+
+static row_fn variant(int group, int four_bit, int half, int has_offset) {
+    /* [group 16 / 32][8-bit / 4-bit][float / half factors][offset] */
+    static const row_fn table[2][2][2][2] = {
+        {{{q8g16_float, q8g16_float_off}, {q8g16_half, q8g16_half_off}}, {{0, 0}, {0, 0}}},
+        {{{q8_float, q8_float_off}, {q8_half, q8_half_off}},
+         {{q4_float, q4_float_off}, {q4_half, q4_half_off}}},
+    };
+    if (group != 16 && group != 32) return 0;
+    return table[group == 32][four_bit != 0][half != 0][has_offset != 0];
+}
+
+"""
+
+_SOURCE = (
+    r"""
 #include <stdint.h>
 #include <string.h>
 #include <immintrin.h>
@@ -166,24 +190,9 @@ typedef void (*row_fn)(const float*, int64_t, int64_t, const uint8_t*, const voi
                          N);                                                                              \
         }                                                                                                 \
     }
-VARIANT(q4_half_off, 32, 1, 1, 1) VARIANT(q4_float_off, 32, 1, 0, 1)
-VARIANT(q4_half, 32, 1, 1, 0) VARIANT(q4_float, 32, 1, 0, 0)
-VARIANT(q8_half, 32, 0, 1, 0) VARIANT(q8_float, 32, 0, 0, 0)
-VARIANT(q8_half_off, 32, 0, 1, 1) VARIANT(q8_float_off, 32, 0, 0, 1)
-VARIANT(q8g16_half, 16, 0, 1, 0) VARIANT(q8g16_float, 16, 0, 0, 0)
-VARIANT(q8g16_half_off, 16, 0, 1, 1) VARIANT(q8g16_float_off, 16, 0, 0, 1)
-
-static row_fn variant(int group, int four_bit, int half, int has_offset) {
-    /* [group 16 / 32][8-bit / 4-bit][float / half factors][offset] */
-    static const row_fn table[2][2][2][2] = {
-        {{{q8g16_float, q8g16_float_off}, {q8g16_half, q8g16_half_off}}, {{0, 0}, {0, 0}}},
-        {{{q8_float, q8_float_off}, {q8_half, q8_half_off}},
-         {{q4_float, q4_float_off}, {q4_half, q4_half_off}}},
-    };
-    if (group != 16 && group != 32) return 0;
-    return table[group == 32][four_bit != 0][half != 0][has_offset != 0];
-}
-
+"""
+    + FORMAT_DISPATCH
+    + r"""
 /* y[m, n] = sum_k x[m, k] * w[n, k] for the packed weight w of N rows; 1 for an unknown format. Each
    thread takes a contiguous range of output rows. */
 int gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scale,
@@ -198,6 +207,7 @@ int gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* codes, cons
     return 0;
 }
 """
+)
 
 
 @cache

@@ -24,8 +24,10 @@ from functools import cache
 import torch
 
 from tokenmill.native import compile_library
+from tokenmill.quantization.gguf_cpu_kernel import FORMAT_DISPATCH
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -237,24 +239,9 @@ typedef void (*row_fn)(const int8_t*, const float*, const float*, int64_t, int64
                          1, GROUP, FOUR, HALF, OFF, y + m * N + n, N);                                    \
         }                                                                                                 \
     }
-VARIANT(q4_half_off, 32, 1, 1, 1) VARIANT(q4_float_off, 32, 1, 0, 1)
-VARIANT(q4_half, 32, 1, 1, 0) VARIANT(q4_float, 32, 1, 0, 0)
-VARIANT(q8_half, 32, 0, 1, 0) VARIANT(q8_float, 32, 0, 0, 0)
-VARIANT(q8_half_off, 32, 0, 1, 1) VARIANT(q8_float_off, 32, 0, 0, 1)
-VARIANT(q8g16_half, 16, 0, 1, 0) VARIANT(q8g16_float, 16, 0, 0, 0)
-VARIANT(q8g16_half_off, 16, 0, 1, 1) VARIANT(q8g16_float_off, 16, 0, 0, 1)
-
-static row_fn variant(int group, int four_bit, int half, int has_offset) {
-    /* [group 16 / 32][8-bit / 4-bit][float / half factors][offset] */
-    static const row_fn table[2][2][2][2] = {
-        {{{q8g16_float, q8g16_float_off}, {q8g16_half, q8g16_half_off}}, {{0, 0}, {0, 0}}},
-        {{{q8_float, q8_float_off}, {q8_half, q8_half_off}},
-         {{q4_float, q4_float_off}, {q4_half, q4_half_off}}},
-    };
-    if (group != 16 && group != 32) return 0;
-    return table[group == 32][four_bit != 0][half != 0][has_offset != 0];
-}
-
+"""
+    + FORMAT_DISPATCH
+    + r"""
 /* y[m, n] ~ sum_k h[m, k] * w[n, k], h the rows formed by the prologue (PLAIN: h = x); 1 for an unknown
    format, 2 where scratch memory is short. x rows are 2K long for the gates, K otherwise. */
 int gguf_linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scale,
@@ -295,6 +282,7 @@ int gguf_linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* codes,
 }
 #endif
 """
+)
 
 
 # The prologues (the C enum): the rows the projection multiplies, formed from the caller's rows.
