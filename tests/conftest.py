@@ -64,19 +64,38 @@ def smollm2_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2():  # type: ignore[no-untyped-def]
-    """The embedded default model, loaded once (float32, CPU) and shared by engine tests."""
+    """The embedded default model, loaded once as the engine loads it by default on the CPU (float32, its
+    GGUF blocks kept packed: ``quantization`` auto) and shared by engine tests."""
     from tokenmill.loading import load_model
 
     return load_model(None, dtype="float32")
 
 
 @pytest.fixture(scope="session")
+def smollm2_float32():  # type: ignore[no-untyped-def]
+    """The default model dequantized to float32 weights (``quantization="none"``): the packed paths'
+    reference."""
+    from tokenmill.loading import load_model
+
+    return load_model(None, dtype="float32", quantization="none")
+
+
+@pytest.fixture(scope="session")
 def gemma3(gemma3_gguf_path: Path):  # type: ignore[no-untyped-def]
-    """Gemma 3 270M, loaded once (float32, CPU) and shared by the tests that only run it: most of a load is
-    transformers parsing the 262,144-token vocabulary out of the GGUF for the tokenizer."""
+    """Gemma 3 270M, loaded once as the engine loads it by default on the CPU (float32, blocks packed) and
+    shared by the tests that only run it: most of a load is transformers parsing the 262,144-token
+    vocabulary out of the GGUF for the tokenizer."""
     from tokenmill.loading import load_model
 
     return load_model(gemma3_gguf_path, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def gemma3_float32(gemma3_gguf_path: Path):  # type: ignore[no-untyped-def]
+    """Gemma 3 270M dequantized to float32 weights (``quantization="none"``)."""
+    from tokenmill.loading import load_model
+
+    return load_model(gemma3_gguf_path, dtype="float32", quantization="none")
 
 
 @pytest.fixture(scope="session")

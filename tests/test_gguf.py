@@ -32,11 +32,13 @@ from tokenmill.models import ModelConfig
 from tokenmill.reference import GreedyOutput, greedy_generate
 from tokenmill.tokenizer import Tokenizer
 
-# Both sides run float32 on identical dequantized weights; only the summation order of matmuls and
-# attention can differ (here the logits came out bit-identical). A different BLAS or CPU can shift them
-# by ~1e-5 through 18-30 layers, so 1e-4 leaves headroom, while any real mistake (q/k permutation, a norm
+# Both sides run float32 on identical weights (the default path keeps GGUF blocks packed and forms the
+# same float32 weights in registers); only the summation order of matmuls and attention differs. Each
+# side is itself up to ~1e-4 from a float64 run of the same model (SmolLM2, "markdown" prompt: transformers
+# float32 8.5e-5, tokenmill packed 7.5e-5, tokenmill float32 weights 8.8e-5), so two float32 orders may
+# differ by twice that (measured: 1.5e-4); 3e-4 allows it, while any real mistake (q/k permutation, a norm
 # offset, rope base, sliding window) moves logits by 1e-2 or more.
-LOGIT_TOLERANCE = 1e-4
+LOGIT_TOLERANCE = 3e-4
 NEW_TOKENS = 48
 
 _LONG_ENGLISH = (

@@ -119,7 +119,7 @@ def test_the_gate_prologue_multiplies_the_activation_into_the_up_half(kind: str)
 def test_the_real_default_model_with_int8_inputs_agrees_with_the_float32_model(
     request: pytest.FixtureRequest,
 ) -> None:
-    """SmolLM2 Q4_1 with ``quantization="gguf"`` (int8 inputs, the default there): teacher-forced over a
+    """SmolLM2 Q4_1 with ``quantization="gguf"`` and ``gguf_int8_activations``: teacher-forced over a
     prompt of 54 tokens, its top-1 token agrees with the float32 engine's at >= 90% of the positions (the
     accuracy benchmark measures this on 4,096 tokens), and the greedy continuation starts the same."""
     from tokenmill.llm import LLM
@@ -137,11 +137,11 @@ def test_the_real_default_model_with_int8_inputs_agrees_with_the_float32_model(
         top = [max(entry.items(), key=lambda kv: kv[1].logprob)[0] for entry in output.prompt_logprobs[1:]]
         return top, list(output.outputs[0].token_ids)
 
-    float32 = llm_for(request.getfixturevalue("smollm2"), max_model_len=256, max_num_seqs=1)
+    float32 = llm_for(request.getfixturevalue("smollm2_float32"), max_model_len=256, max_num_seqs=1)
     expected_top, expected_tokens = run(float32)
     del float32
     packed = LLM(str(request.getfixturevalue("smollm2_gguf_path")), max_model_len=256, max_num_seqs=1,
-                 quantization="gguf")  # fmt: skip
+                 quantization="gguf", gguf_int8_activations=True)  # fmt: skip
     assert packed.engine.config.kernels.gguf_int8_activations
     assert packed.engine.runner.model.model._decode_blocks is not None  # decode steps take the C blocks
     top, tokens = run(packed)
@@ -183,7 +183,8 @@ def test_decode_steps_through_the_c_blocks_give_the_python_paths_tokens_and_logp
     monkeypatch.setattr(DecodeBlocks, "run", lambda self, *a: ran.append(original(self, *a)) or ran[-1])
 
     def decode(**options: object) -> list[tuple[list[int], list[dict]]]:
-        llm = LLM(path, max_model_len=64, max_num_seqs=3, quantization="gguf", **options)
+        llm = LLM(path, max_model_len=64, max_num_seqs=3, quantization="gguf", gguf_int8_activations=True,
+                  **options)  # fmt: skip
         outputs = in_thread(lambda: llm.generate(prompts, params))
         return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
 

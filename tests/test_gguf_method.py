@@ -40,7 +40,7 @@ def _projections(loaded: LoadedModel) -> list[LinearBase]:
 def test_packed_projections_compute_the_float32_models_logits(name: str, qtype: Q, tmp_path: Path) -> None:
     """llama (q/k rows un-permuted on the blocks), qwen2 (q/k/v biases), Gemma 3; Q8_0 and Q4_0."""
     path = _tiny_gguf(tmp_path, name, qtype)
-    float32, packed = load_model(path), load_model(path, quantization="gguf")
+    float32, packed = load_model(path, quantization="none"), load_model(path, quantization="gguf")
     layers = _projections(packed)
     assert layers and all(isinstance(layer.quant_method, GGUFLinearMethod) for layer in layers)
     floats = dict(float32.model.named_modules())
@@ -61,7 +61,7 @@ def test_a_head_stored_in_blocks_is_kept_packed(name: str, tmp_path: Path) -> No
     the logits and greedy tokens are the float32 model's. A float head stays float (the tests above)."""
     reference = save_hf_model(tiny_gguf_config(name), tmp_path / "hf")
     path = write_gguf(reference, GGUF_ARCH[name], tmp_path / f"{name}.gguf", Q.Q8_0, head_qtype=Q.Q8_0)
-    float32, packed = load_model(path), load_model(path, quantization="gguf")
+    float32, packed = load_model(path, quantization="none"), load_model(path, quantization="gguf")
     head = packed.model.lm_head
     assert isinstance(head.quant_method, GGUFLinearMethod) and packed_nbytes(head) > 0
     dequantized = head.quant_method.dequantized_weight(head, torch.float32)
@@ -101,6 +101,28 @@ def test_gguf_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
         load_model(float_file, quantization="gguf")
 
 
+def test_auto_packs_only_a_float32_gguf_on_the_cpu_in_kernel_formats(tmp_path: Path) -> None:
+    """``quantization`` auto (the default): ``gguf`` for a .gguf file whose projections the kernel reads,
+    loaded in float32 on the CPU; float weights for other files, dtypes and models; an engine given no
+    flags runs the packed projections with float32 inputs."""
+    from tokenmill.llm import LLM
+
+    packable = _tiny_gguf(tmp_path / "q", "llama3", Q.Q4_0)
+    assert load_model(packable).quantization == "gguf"
+    assert load_model(packable, dtype="bfloat16").quantization == "none"
+    assert load_model(packable, quantization="none").quantization == "none"
+    assert load_model(_tiny_gguf(tmp_path / "f", "llama3", None)).quantization == "none"  # F32 projections
+    assert load_model(_tiny_gguf(tmp_path / "g", "gpt2", Q.Q8_0)).quantization == "none"  # Conv1D layout
+    folder = tmp_path / "safetensors"
+    save_tiny_model("llama3", folder)
+    assert load_model(folder).quantization == "none"
+    assert load_model("smollm2-135m", load_format="dummy").quantization == "none"
+    llm = LLM(str(packable), max_model_len=64)
+    assert llm.engine.config.quantization == "gguf"
+    assert not llm.engine.config.kernels.gguf_int8_activations
+    assert all(layer.weight.numel() == 0 for layer in _projections(llm.engine.loaded))
+
+
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_real_models_through_the_gguf_method_decode_the_float32_greedy_tokens(
     model: str, request: pytest.FixtureRequest
@@ -119,7 +141,7 @@ def test_real_models_through_the_gguf_method_decode_the_float32_greedy_tokens(
     def greedy(llm: LLM, batch: list[str]) -> list[list[int]]:
         return [list(out.outputs[0].token_ids) for out in in_thread(lambda: llm.generate(batch, params))]
 
-    float32 = llm_for(request.getfixturevalue(model), max_model_len=128, max_num_seqs=4)
+    float32 = llm_for(request.getfixturevalue(f"{model}_float32"), max_model_len=128, max_num_seqs=4)
     expected = greedy(float32, prompts[:1]), greedy(float32, prompts)
     del float32
     packed = LLM(path, max_model_len=128, max_num_seqs=4, quantization="gguf", gguf_int8_activations=False)

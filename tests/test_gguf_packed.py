@@ -82,6 +82,33 @@ def test_packed_linear_uses_the_reference_weights_and_rows_do_not_depend_on_the_
     assert torch.equal(packed.linear(x.view(3, 3, 512), bias), (out + bias).view(3, 3, 40))
 
 
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_calls_of_many_rows_multiply_the_exact_weights_formed_a_slice_at_a_time(
+    qtype: GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From ``DEQUANTIZED_MIN_ROWS`` rows the kernel writes the float32 weight out (bit for bit gguf-py's)
+    and BLAS multiplies it, in slices of output rows; in either input mode."""
+    from tokenmill.quantization import gguf_packed
+    from tokenmill.quantization.gguf_cpu_kernel import load_kernel, run_dequantize
+    from tokenmill.quantization.gguf_int8_kernel import load_int8_kernel
+
+    library = load_kernel()
+    assert library is not None
+    blocks = make_blocks(qtype, 40, 512)
+    weight, packed = reference(blocks), pack_blocks(blocks)
+    assert torch.equal(
+        run_dequantize(library, packed.codes, packed.scale, packed.offset, packed.group), weight
+    )
+    monkeypatch.setattr(gguf_packed, "_DEQUANTIZED_SLICE", 512 * 7)  # slices of 7 rows: the last one short
+    x = torch.randn(gguf_packed.DEQUANTIZED_MIN_ROWS, 512)
+    for int8_activations in (False, True):
+        out = packed.linear(x, int8_activations=int8_activations)
+        assert ((out - F.linear(x, weight)).abs() <= summation_bound(x, weight)).all()
+    if load_int8_kernel() is not None:  # below the threshold the int8 kernel rounds the inputs
+        few = x[: gguf_packed.DEQUANTIZED_MIN_ROWS - 1]
+        assert not torch.equal(packed.linear(few, int8_activations=True), packed.linear(few))
+
+
 def test_packed_bytes_per_weight() -> None:
     sizes = {q: pack_blocks(make_blocks(q, 4, 512)).nbytes / (4 * 512) for q in QTYPES}
     assert sizes[Q.Q4_1] == sizes[Q.Q4_0] == 0.625  # nibbles + fp16 scale and offset per 32
@@ -197,7 +224,7 @@ def test_real_models_with_packed_projections_decode_the_float32_greedy_tokens(
     from tokenmill.sampling_params import SamplingParams
 
     path = Path(request.getfixturevalue(f"{model}_gguf_path"))
-    llm = llm_for(request.getfixturevalue(model), max_model_len=128, max_num_seqs=4)
+    llm = llm_for(request.getfixturevalue(f"{model}_float32"), max_model_len=128, max_num_seqs=4)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

@@ -18,7 +18,7 @@ OPTION_HELP: dict[str, str] = {
     "quantization": "8-bit weights: int8 / fp8 quantize float weights per output channel as they load "
     "(weight-only PyTorch paths on cpu); none keeps them float; a pre-quantized checkpoint (fp8 128x128 "
     "blocks, compressed-tensors int8) loads as published; gguf keeps a .gguf file's 4- and 8-bit blocks "
-    "packed (cpu only)",
+    "packed (cpu only); auto: gguf for a .gguf file in float32 on the cpu, none otherwise",
     "seed": "seed of the dummy weights and of the engine's default sampling generator",
     "max_model_len": "longest sequence (prompt + output) in tokens; unset: the model's limit, at most 8192",
     "tensor_parallel_size": "split each layer over this many processes (one per GPU; gloo on cpu); rank 0 "
@@ -76,7 +76,9 @@ OPTION_HELP: dict[str, str] = {
     "prepacked_cpu_linear": "float32 projections on cpu through oneDNN, each weight reordered once at "
     "start (a second copy of the weights in memory)",
     "gguf_int8_activations": "quantization gguf on an AVX2 cpu: inputs rounded to int8 per block of 32 and "
-    "multiplied with the packed codes as integers (llama.cpp's way); off: float32 inputs, exact weights",
+    "multiplied with the packed codes as integers (llama.cpp's way: ~3x faster decode; on SmolLM2 the "
+    "top-1 token agrees with float32's at 93 of 100 teacher-forced positions); off: float32 inputs times "
+    "the exact weights",
     "gguf_decode_blocks": "with gguf_int8_activations: a decode step runs every plain Llama block in one C "
     "call over the same kernels (no Python between them); the same results bit for bit",
     "fused_rms_norm": "Triton RMSNorm with the residual add fused in; unset: on with CUDA + Triton",

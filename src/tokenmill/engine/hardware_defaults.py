@@ -8,6 +8,7 @@ refused later where it cannot run).
 """
 
 import os
+import typing
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,6 +19,7 @@ from tokenmill.config import (
     EngineConfig,
     KernelConfig,
     KVCacheConfig,
+    QuantizationMethod,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -47,9 +49,14 @@ class Platform:
         return cls(device, kernels_auto_on(device), pdl_supported(device), c_kernels)
 
 
-def resolve_config(config: EngineConfig, platform: Platform, max_model_len: int) -> EngineConfig:
-    """``config`` with no ``auto`` / None setting left that the hardware decides."""
+def resolve_config(
+    config: EngineConfig, platform: Platform, max_model_len: int, loaded_quantization: str = "none"
+) -> EngineConfig:
+    """``config`` with no ``auto`` / None setting left that the hardware decides; ``quantization`` auto
+    becomes ``loaded_quantization``, the method the loader chose (``loading.loader.packs_by_default``)."""
     kernels = _resolve_kernels(config, platform)
+    if config.quantization == "auto":
+        config = replace(config, quantization=typing.cast(QuantizationMethod, loaded_quantization))
     config = replace(config, kernels=kernels)
     warm_start = config.warm_start
     if warm_start is None:

@@ -77,7 +77,8 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.max_model_len = self._max_model_len(config)
         # Every auto setting decided for this hardware: what the rest of the engine reads.
-        self.config = resolve_config(config, Platform.detect(self.device), self.max_model_len)
+        platform = Platform.detect(self.device)
+        self.config = resolve_config(config, platform, self.max_model_len, self.loaded.quantization)
         if self.config.host_threads is not None:
             torch.set_num_threads(self.config.host_threads)
         self._check_token_budget()

@@ -336,6 +336,20 @@ class GGUFCheckpoint(Checkpoint):
             if name == _EMBEDDING and config["tie_word_embeddings"] and self.packs_lm_head():
                 yield "lm_head.weight", projection_blocks(self.file, info, None)  # type: ignore[misc]
 
+    def packs_every_projection(self) -> bool:
+        """Whether every projection weight (q/k/v, o, gate/up, down) is stored in a format the packed
+        kernel reads, so that ``gguf`` would keep them all as blocks."""
+        for name, info in self.file.tensors.items():
+            if name == _ROPE_FREQS:
+                continue
+            layer, stem, kind = self._split_name(name)
+            if stem in self.spec.transposed_stems:  # GPT-2's Conv1D layout: its projections stay float
+                return False
+            hf_name = self.spec.naming.hf_name(layer, stem, kind) or ""
+            if hf_name.endswith("_proj.weight") and not keeps_packed(hf_name, info, False):
+                return False
+        return True
+
     def packs_lm_head(self) -> bool:
         """Whether, packed, the LM head gets blocks of its own: those of ``output`` or, tied, of the
         embedding (which also loads as float, for the lookups), in a format the kernel reads."""

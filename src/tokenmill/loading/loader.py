@@ -49,6 +49,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float
+    quantization: str = "none"  # the method the model was built with (``auto`` decided)
 
 
 def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -70,14 +71,14 @@ def load_model(
     max_model_len: int | None = None,
     seed: int = 0,
     tokenizer: str | os.PathLike[str] | None = None,
-    quantization: str | QuantizationConfig = "none",
+    quantization: str | QuantizationConfig = "auto",
 ) -> LoadedModel:
     """Load ``model`` (None: the embedded default; a folder, .gguf file, installed model's short name, hub
     id, or with ``load_format="dummy"`` a preset name or config.json) onto ``device`` in ``dtype``.
     ``tokenizer`` names another model whose tokenizer to use instead (as vLLM's ``tokenizer``): how a
-    dummy-weight model gets one. ``quantization`` (``none``, ``int8``, ``fp8``, ``gguf``; see
+    dummy-weight model gets one. ``quantization`` (``auto``, ``none``, ``int8``, ``fp8``, ``gguf``; see
     :mod:`tokenmill.quantization`): float weights are quantized as they are loaded; a checkpoint whose
-    config publishes a quantization loads in it."""
+    config publishes a quantization loads in it; ``auto`` is :func:`packs_by_default`'s choice."""
     start = time.perf_counter()
     device = torch.device(device)
     torch_dtype = parse_dtype(dtype, device)
@@ -85,6 +86,8 @@ def load_model(
     # The named tokenizer first: a wrong name fails before the weights are loaded.
     own_tokenizer: Tokenizer | None = None if tokenizer is None else load_tokenizer(tokenizer)
     extra_eos: tuple[int, ...] = ()
+    if quantization == "auto":
+        quantization = "gguf" if packs_by_default(source, device, torch_dtype) else "none"
     if isinstance(source, DummySource):
         config = config_from_hf(source.config, source.name)
         quant = resolve_quantization(
@@ -107,9 +110,22 @@ def load_model(
     if tokenizer is not None and own_tokenizer is not None:
         _check_vocabulary_fits(own_tokenizer, config, str(tokenizer))
     eos = tuple(dict.fromkeys(config.eos_token_ids + extra_eos))
-    return LoadedModel(
-        net.eval(), config, own_tokenizer, eos, name, device, torch_dtype, time.perf_counter() - start
-    )
+    seconds = time.perf_counter() - start
+    net = net.eval()
+    return LoadedModel(net, config, own_tokenizer, eos, name, device, torch_dtype, seconds, quant.method)
+
+
+def packs_by_default(source: "Checkpoint | DummySource", device: torch.device, dtype: torch.dtype) -> bool:
+    """``auto``'s choice: keep a GGUF file's blocks packed (``gguf``) where that is the fast path with the
+    same weights: a float32 model on the CPU, every projection in a format the packed kernel reads, and
+    the kernel built. Decode then reads the 4- and 8-bit codes instead of float32 copies (SmolLM2 Q4_1: 0.6
+    bytes a weight, not 4); the inputs stay float32 unless ``gguf_int8_activations`` is asked for."""
+    from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
+    from tokenmill.quantization.gguf_cpu_kernel import load_kernel
+
+    if not isinstance(source, GGUFCheckpoint) or device.type != "cpu" or dtype != torch.float32:
+        return False
+    return source.packs_every_projection() and load_kernel() is not None
 
 
 def _check_gguf(

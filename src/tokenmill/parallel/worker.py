@@ -126,7 +126,7 @@ def _build_shard(config: EngineConfig, device: torch.device) -> Shard:
     command, max_model_len = receive_header()[:2]
     if command != Command.SETUP:
         raise RuntimeError(f"expected rank 0's set-up message, got command {command}")
-    resolved = resolve_config(config, Platform.detect(device), max_model_len)
+    resolved = resolve_config(config, Platform.detect(device), max_model_len, loaded.quantization)
     options = kernel_options_for(resolved, device)
     model: CausalLM = loaded.model.with_kernels(options)
     backend = create_attention_backend(resolved.kernels, device, options.pdl)

@@ -2,7 +2,8 @@
 
 ``quantization`` is named as vLLM names it: ``none`` (float weights, or a pre-quantized checkpoint as it
 is published), ``int8`` and ``fp8`` (quantize float weights at load, per channel; on a checkpoint
-published in that format, load it as published), ``gguf`` (GGUF blocks kept packed on the CPU).
+published in that format, load it as published), ``gguf`` (GGUF blocks kept packed on the CPU), and
+``auto``, which the loader turns into ``gguf`` or ``none`` (``loading.loader``).
 """
 
 import typing
@@ -75,6 +76,6 @@ def resolve_quantization(
 
 
 def _named(name: str) -> QuantizationConfig:
-    if name not in QUANTIZATION_METHODS:
+    if name not in QUANTIZATION_METHODS or name == "auto":  # auto is decided by the loader
         raise ModelLoadError(f"quantization '{name}' is not one of: {', '.join(QUANTIZATION_METHODS)}")
     return QuantizationConfig(name)

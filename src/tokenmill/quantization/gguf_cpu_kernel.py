@@ -206,6 +206,22 @@ int gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* codes, cons
     }
     return 0;
 }
+
+/* The float32 weight itself, rows [0, N) into y ([N, K]): the values row_dots forms, stored. For steps of
+   many input rows, where a BLAS product over the stored weight beats forming it again per four rows. */
+int gguf_dequantize(const uint8_t* codes, const void* scale, const void* offset, int64_t N, int64_t K,
+                    int group, int four_bit, int half, float* y, int threads) {
+    if ((group != 16 && group != 32) || (four_bit && group != 32)) return 1;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        vf w[PARTS];
+        for (int64_t c = 0; c < K / 32; c++) {
+            dequantize_chunk(codes, scale, offset, n, K, c, group, four_bit, half, offset != 0, w);
+            for (int p = 0; p < PARTS; p++) *(vf*)(y + n * K + c * 32 + p * LANES) = w[p];
+        }
+    }
+    return 0;
+}
 """
 )
 
@@ -232,6 +248,19 @@ def load_kernel() -> ctypes.CDLL | None:
         pointer,
         flag,
     ]  # x, M, K, codes, scale, offset, N, group, four_bit, half, y, threads
+    library.gguf_dequantize.restype = ctypes.c_int
+    library.gguf_dequantize.argtypes = [
+        pointer,
+        pointer,
+        pointer,
+        size,
+        size,
+        flag,
+        flag,
+        flag,
+        pointer,
+        flag,
+    ]
     return library
 
 
@@ -253,6 +282,23 @@ def run_kernel(
         None if offset is None else offset.data_ptr(), out_features, group,
         int(codes.dtype == torch.uint8), int(scale.dtype == torch.float16), out.data_ptr(),
         torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"the packed GGUF kernel has no {codes.dtype} variant with groups of {group}")
+    return out
+
+
+def run_dequantize(
+    library: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int
+) -> torch.Tensor:
+    """The ``[N, K]`` float32 weight of the packed codes (bit for bit gguf-py's), formed by the kernel's
+    own loop across torch's threads."""
+    rows, in_features = codes.shape[0], codes.shape[1] * group
+    out = torch.empty(rows, in_features, dtype=torch.float32)
+    status = library.gguf_dequantize(
+        codes.data_ptr(), scale.data_ptr(), None if offset is None else offset.data_ptr(), rows,
+        in_features, group, int(codes.dtype == torch.uint8), int(scale.dtype == torch.float16),
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"the packed GGUF kernel has no {codes.dtype} variant with groups of {group}")

@@ -8,15 +8,19 @@ a scalar loop, ~50x slower than float32 oneDNN; ``_weight_int8pack_mm`` has one 
 not per group of 32. The kernel is therefore tokenmill's own (``gguf_cpu_kernel.py``): it reads the codes,
 forms each weight as ``code * scale + offset`` (the exact float32 weight of :mod:`gguf_blocks`) in vector
 registers and multiplies it into up to four input rows at once; no float32 copy of the weight is stored.
+A call of many rows (a prefill chunk) is compute-bound instead: there the kernel writes the float32 weight
+out, a slice at a time, and BLAS multiplies it (``DEQUANTIZED_MIN_ROWS``).
 
 Exactness: the weights are bit-identical to gguf-py's dequantized float32 (a one-hot input row returns a
 weight column exactly); results differ from ``F.linear`` on those weights by float32 summation order only.
-Each output element is one reduction over the input, in an order fixed by the kernel, so a row's
-result does not depend on how many rows share the call (the same discipline as ``prepacked_cpu_linear``).
-``int8_activations`` (``gguf_int8_kernel.py``) rounds the inputs instead, llama.cpp's way: same codes,
-integer products, the same batch independence.
+Below ``DEQUANTIZED_MIN_ROWS`` rows each output element is one reduction over the input, in an order fixed
+by the kernel, so a row's result does not depend on how many rows share the call (the same discipline as
+``prepacked_cpu_linear``). ``int8_activations`` (``gguf_int8_kernel.py``) rounds the inputs instead,
+llama.cpp's way: same codes, integer products, the same batch independence (calls of many rows take the
+float32 weights through BLAS in either mode).
 """
 
+import ctypes
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -27,8 +31,15 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from tokenmill.quantization.gguf_blocks import DecodedBlocks, GGUFBlocks, concat_rows, decode_blocks
-from tokenmill.quantization.gguf_cpu_kernel import load_kernel, run_kernel
+from tokenmill.quantization.gguf_cpu_kernel import load_kernel, run_dequantize, run_kernel
 from tokenmill.quantization.gguf_int8_kernel import NormPrologue, load_int8_kernel, run_int8_kernel
+
+# Steps of at least this many input rows (prefill chunks, large batches) multiply the float32 weight,
+# formed by the kernel, with BLAS: per four rows the kernel forms every weight again. SmolLM2's layers on 2
+# AVX2 cores (float kernel vs dequantize + F.linear, ms): 16 rows 0.25 / 0.34 (q/k/v), 1.02 / 1.09
+# (gate/up); 32 rows 0.49 / 0.46, 1.84 / 1.50; 512 rows 11.9 / 4.1, 35.2 / 13.3.
+DEQUANTIZED_MIN_ROWS = 32
+_DEQUANTIZED_SLICE = 1 << 22  # float32 weights formed at a time (16 MiB)
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,17 +80,20 @@ class PackedWeight:
         self, x: torch.Tensor, bias: torch.Tensor | None = None, int8_activations: bool = False
     ) -> torch.Tensor:
         """``F.linear(x, self.dequantize(), bias)`` for float32 ``x`` of shape ``[..., in_features]``,
-        without forming the float32 weight; with ``int8_activations`` (where the CPU has AVX2), ``x``
-        rounded to int8 per block of 32 (``gguf_int8_kernel.py``)."""
+        without storing the float32 weight; with ``int8_activations`` (where the CPU has AVX2), ``x``
+        rounded to int8 per block of 32 (``gguf_int8_kernel.py``) in calls of fewer than
+        ``DEQUANTIZED_MIN_ROWS`` rows."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features; the weight takes {self.in_features}")
         rows = x.reshape(-1, self.in_features).float().contiguous()
         int8_library = load_int8_kernel() if int8_activations else None
         library = load_kernel()
-        if int8_library is not None:
-            out, _ = run_int8_kernel(int8_library, rows, self.codes, self.scale, self.offset, self.group)
-        elif library is None:  # no compiler: the same weights, through a float32 copy made per call
+        if library is None:  # no compiler: the same weights, through a float32 copy made per call
             out = F.linear(rows, self.dequantize())
+        elif rows.shape[0] >= DEQUANTIZED_MIN_ROWS:
+            out = self._dequantized_linear(library, rows)
+        elif int8_library is not None:
+            out, _ = run_int8_kernel(int8_library, rows, self.codes, self.scale, self.offset, self.group)
         else:
             out = run_kernel(library, rows, self.codes, self.scale, self.offset, self.group)
         if bias is not None:
@@ -93,7 +107,7 @@ class PackedWeight:
         for a gate), inputs rounded to int8 (``gguf_int8_kernel.py``), and for a norm ``x + residual``;
         None where the int8 kernel is not built (the caller runs the prologue and :meth:`linear`)."""
         library = load_int8_kernel()
-        if library is None:
+        if library is None or x.numel() >= DEQUANTIZED_MIN_ROWS * x.shape[-1]:
             return None
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         out, total = run_int8_kernel(library, rows, self.codes, self.scale, self.offset, self.group, prologue)
@@ -101,6 +115,18 @@ class PackedWeight:
             out = out + bias
         lead = x.shape[:-1]
         return out.view(*lead, self.out_features), None if total is None else total.view(*lead, -1)
+
+    def _dequantized_linear(self, library: ctypes.CDLL, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` times the float32 weight formed by the kernel, a slice of output rows at a time (each
+        slice small enough for the allocator to reuse its memory), multiplied by BLAS."""
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        step = max(1, _DEQUANTIZED_SLICE // self.in_features)
+        for first in range(0, self.out_features, step):
+            part = slice(first, first + step)
+            offset = None if self.offset is None else self.offset[part]
+            weight = run_dequantize(library, self.codes[part], self.scale[part], offset, self.group)
+            out[:, part] = F.linear(rows, weight)
+        return out
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weight (or its ``rows``, e.g. embedding lookups of a tied LM head), bit for bit

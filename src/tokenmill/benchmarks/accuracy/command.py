@@ -9,7 +9,7 @@ the unquantized model and each mode score the same text with teacher forcing (se
   scales), as a W8A8 GEMM computes, emulated in PyTorch;
 * ``gguf``: the GGUF blocks kept packed, when that path is built (skipped otherwise), float32 inputs;
 * ``gguf-int8``: the same with each projection's input rounded to int8 per block of 32 and multiplied as
-  integers (``gguf_int8_activations``, the engine's default for ``quantization="gguf"``).
+  integers (``gguf_int8_activations``, which the engine takes only when asked).
 
 Reported: perplexity and its change against the unquantized model, top-1 agreement (the share of text
 positions whose argmax equals the unquantized model's), the targets of issue 18 (int8: perplexity within

@@ -161,7 +161,7 @@ def _decode_runs(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
     float_inputs = {
         c: best(lambda b: _tokenmill_run(float_inputs_llm, b, args.new_tokens), c) for c in args.sequences
     }
-    packed_llm = _engine(path, "gguf", args)
+    packed_llm = _engine(path, "gguf", args, gguf_int8_activations=True)
     packed = {c: best(lambda b: _tokenmill_run(packed_llm, b, args.new_tokens), c) for c in args.sequences}
     step_bytes = _weight_bytes(packed_llm)
     peer = None if args.no_peer else LlamaCpp(path, max(args.sequences), args.prompt_len + args.new_tokens,
