@@ -22,13 +22,15 @@ import torch
 from engine_helpers import in_thread
 from gguf_fixtures import GGUF_ARCH, save_hf_model, tiny_gguf_config, write_gguf
 from hf_reference import HFReference, hf_reference
+from tokenmill.config import EngineConfig
+from tokenmill.engine.hardware_defaults import Platform, kernel_options_for, resolve_config
 from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
 from tokenmill.loading import load_model
 from tokenmill.loading.default_model import default_model_path
 from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
 from tokenmill.loading.gguf_file import GGUFFile
 from tokenmill.loading.loader import LoadedModel
-from tokenmill.models import ModelConfig
+from tokenmill.models import CausalLM, ModelConfig
 from tokenmill.reference import GreedyOutput, greedy_generate
 from tokenmill.tokenizer import Tokenizer
 
@@ -97,15 +99,23 @@ class Comparison:
         return float((self.ours_logits - self.reference_logits).abs().max())
 
 
+def with_default_kernels(loaded: LoadedModel) -> CausalLM:
+    """The model bound to the layer paths an engine given no flags binds on this machine (on the CPU, for
+    a GGUF file: packed projections with the norm / activation formed in their C calls)."""
+    config = resolve_config(EngineConfig(), Platform.detect(loaded.device), 8192, loaded.quantization)
+    return loaded.model.with_kernels(kernel_options_for(config, loaded.device))
+
+
 def compare_with_transformers(
     ours: LoadedModel, reference: HFReference, prompts: dict[str, list[int]]
 ) -> dict[str, Comparison]:
     """Our reference loop on each prompt (one sequence, greedy, stopping at our EOS ids as transformers was
-    told to), beside transformers' outputs on the same GGUF file."""
+    told to) through the default layer paths, beside transformers' outputs on the same GGUF file."""
+    model = with_default_kernels(ours)
 
     def generate() -> dict[str, GreedyOutput]:
         return {
-            name: greedy_generate(ours.model, prompt, NEW_TOKENS, stop_token_ids=ours.eos_token_ids)
+            name: greedy_generate(model, prompt, NEW_TOKENS, stop_token_ids=ours.eos_token_ids)
             for name, prompt in prompts.items()
         }
 

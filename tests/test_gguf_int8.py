@@ -13,13 +13,9 @@ from engine_helpers import in_thread, llm_for
 from gguf_fixtures import GGUF_ARCH, save_hf_model, tiny_gguf_config, write_gguf
 from test_gguf_packed import QTYPES, make_blocks
 from tokenmill.quantization.gguf_blocks import decode_blocks
-from tokenmill.quantization.gguf_int8_kernel import (
-    GATE_PROLOGUES,
-    NormPrologue,
-    load_int8_kernel,
-    run_int8_kernel,
-)
+from tokenmill.quantization.gguf_int8_kernel import load_int8_kernel, run_int8_kernel
 from tokenmill.quantization.gguf_packed import pack_blocks
+from tokenmill.quantization.gguf_prologue import GATE_PROLOGUES, NormPrologue
 
 pytestmark = pytest.mark.skipif(load_int8_kernel() is None, reason="needs a C compiler and an AVX2 CPU")
 Q = GGMLQuantizationType
@@ -91,7 +87,7 @@ def test_the_norm_prologue_normalizes_the_sum_before_rounding(unit_offset: bool,
     packed = pack_blocks(blocks)
     hidden, residual, weight = torch.randn(5, 256), torch.randn(5, 256), torch.rand(256) + 0.5
     prologue = NormPrologue(weight, 1e-5, unit_offset, residual if with_residual else None)
-    out, total = packed.fused_int8_linear(hidden, prologue)  # type: ignore[misc]
+    out, total = packed.fused_linear(hidden, prologue, int8_activations=True)  # type: ignore[misc]
     summed = hidden + residual if with_residual else hidden
     assert total is not None and torch.equal(total, summed)
     normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5)
@@ -107,7 +103,7 @@ def test_the_gate_prologue_multiplies_the_activation_into_the_up_half(kind: str)
     blocks = make_blocks(Q.Q8_0, 24, 256)
     packed = pack_blocks(blocks)
     gate_up = torch.randn(3, 512)
-    out, total = packed.fused_int8_linear(gate_up, GATE_PROLOGUES[kind])  # type: ignore[misc]
+    out, total = packed.fused_linear(gate_up, GATE_PROLOGUES[kind], int8_activations=True)  # type: ignore[misc]
     assert total is None
     gate, up = gate_up.chunk(2, dim=-1)
     act = F.silu(gate) if kind == "silu" else F.gelu(gate, approximate="tanh")
@@ -153,23 +149,29 @@ def test_the_real_default_model_with_int8_inputs_agrees_with_the_float32_model(
 def test_inputs_of_the_wrong_shape_are_refused_before_the_c_loop_reads_them() -> None:
     packed = pack_blocks(make_blocks(Q.Q8_0, 8, 64))
     with pytest.raises(ValueError, match=r"the weight takes \[rows, 128\] float32"):
-        packed.fused_int8_linear(torch.randn(2, 64), GATE_PROLOGUES["silu"])  # a gate needs 2K
+        packed.fused_linear(
+            torch.randn(2, 64), GATE_PROLOGUES["silu"], int8_activations=True
+        )  # a gate needs 2K
     with pytest.raises(ValueError, match=r"norm weight of shape \(32,\)"):
-        packed.fused_int8_linear(torch.randn(2, 64), NormPrologue(torch.ones(32), 1e-6, False, None))
+        packed.fused_linear(torch.randn(2, 64), NormPrologue(torch.ones(32), 1e-6, False, None))
     with pytest.raises(ValueError, match="residual of shape"):
-        packed.fused_int8_linear(
-            torch.randn(2, 64), NormPrologue(torch.ones(64), 1e-6, False, torch.ones(3, 64))
-        )
+        packed.fused_linear(torch.randn(2, 64), NormPrologue(torch.ones(64), 1e-6, False, torch.ones(3, 64)))
     assert packed.linear(torch.randn(0, 64), int8_activations=True).shape == (0, 8)
 
 
+@pytest.mark.parametrize("int8", [True, False], ids=["int8-inputs", "float-inputs"])
 @pytest.mark.parametrize(("name", "qtype", "in_c"), [("llama3", Q.Q4_0, True), ("qwen2", Q.Q8_0, False)])
 def test_decode_steps_through_the_c_blocks_give_the_python_paths_tokens_and_logprobs_bit_for_bit(
-    name: str, qtype: GGMLQuantizationType, in_c: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    name: str,
+    qtype: GGMLQuantizationType,
+    in_c: bool,
+    int8: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``gguf_decode_blocks`` calls the same kernels in the same order as the Python blocks: three
-    sequences of different lengths decode the same tokens with the same logprobs. Plain Llama blocks
-    take the C loop (its runs counted); Qwen2's biased q/k/v keep the Python one."""
+    """``gguf_decode_blocks`` calls the same kernels in the same order as the Python blocks, with int8 or
+    float32 inputs: three sequences of different lengths decode the same tokens with the same logprobs.
+    Plain Llama blocks take the C loop (its runs counted); Qwen2's biased q/k/v keep the Python one."""
     from tokenmill.llm import LLM
     from tokenmill.quantization.gguf_decode_blocks import DecodeBlocks
     from tokenmill.sampling_params import SamplingParams
@@ -183,7 +185,7 @@ def test_decode_steps_through_the_c_blocks_give_the_python_paths_tokens_and_logp
     monkeypatch.setattr(DecodeBlocks, "run", lambda self, *a: ran.append(original(self, *a)) or ran[-1])
 
     def decode(**options: object) -> list[tuple[list[int], list[dict]]]:
-        llm = LLM(path, max_model_len=64, max_num_seqs=3, quantization="gguf", gguf_int8_activations=True,
+        llm = LLM(path, max_model_len=64, max_num_seqs=3, quantization="gguf", gguf_int8_activations=int8,
                   **options)  # fmt: skip
         outputs = in_thread(lambda: llm.generate(prompts, params))
         return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]

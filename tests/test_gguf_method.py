@@ -120,6 +120,7 @@ def test_auto_packs_only_a_float32_gguf_on_the_cpu_in_kernel_formats(tmp_path: P
     llm = LLM(str(packable), max_model_len=64)
     assert llm.engine.config.quantization == "gguf"
     assert not llm.engine.config.kernels.gguf_int8_activations
+    assert "; weights gguf packed, float32 inputs;" in llm.engine.describe_startup()
     assert all(layer.weight.numel() == 0 for layer in _projections(llm.engine.loaded))
 
 

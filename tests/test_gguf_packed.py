@@ -109,6 +109,34 @@ def test_calls_of_many_rows_multiply_the_exact_weights_formed_a_slice_at_a_time(
         assert not torch.equal(packed.linear(few, int8_activations=True), packed.linear(few))
 
 
+@pytest.mark.parametrize("prologue", ["norm", "norm, residual, unit offset", "silu", "gelu_tanh"])
+def test_float_inputs_form_the_norm_or_gate_rows_in_the_projections_call(prologue: str) -> None:
+    """``fused_linear`` with float32 inputs: the rows the PyTorch norm / gated activation would form,
+    times the exact weights (the C loop sums the squares and applies the activation in its own order)."""
+    from tokenmill.quantization.gguf_prologue import GATE_PROLOGUES, NormPrologue
+
+    blocks = make_blocks(Q.Q4_1, 40, 256)
+    weight, packed = reference(blocks), pack_blocks(blocks)
+    hidden, residual, scale = torch.randn(5, 256), torch.randn(5, 256), torch.rand(256) + 0.5
+    if prologue in GATE_PROLOGUES:
+        out, total = packed.fused_linear(torch.cat([hidden, residual], -1), GATE_PROLOGUES[prologue])  # type: ignore[misc]
+        act = F.silu(hidden) if prologue == "silu" else F.gelu(hidden, approximate="tanh")
+        rows = act * residual
+        assert total is None
+    else:
+        unit = "unit" in prologue
+        added = residual if "residual" in prologue else None
+        out, total = packed.fused_linear(hidden, NormPrologue(scale, 1e-5, unit, added))  # type: ignore[misc]
+        summed = hidden if added is None else hidden + added
+        assert total is not None and torch.equal(total, summed)
+        rows = (
+            summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5) * (1 + scale if unit else scale)
+        )
+    expected = F.linear(rows, weight)
+    # the rows themselves may differ in their last bits: a few float32 steps of each product, summed
+    torch.testing.assert_close(out, expected, rtol=0, atol=float(8 * summation_bound(rows, weight).max()))
+
+
 def test_packed_bytes_per_weight() -> None:
     sizes = {q: pack_blocks(make_blocks(q, 4, 512)).nbytes / (4 * 512) for q in QTYPES}
     assert sizes[Q.Q4_1] == sizes[Q.Q4_0] == 0.625  # nibbles + fp16 scale and offset per 32

@@ -137,9 +137,9 @@ class KernelConfig:
     # Off by default: it changes the model's outputs (SmolLM2: 93% teacher-forced top-1 agreement with
     # float32, perplexity +0.6%), and the default path must match transformers (tests/test_gguf.py).
     gguf_int8_activations: bool = False
-    # With gguf_int8_activations: a decode step runs every plain Llama block (no biases, no q/k norms,
-    # SwiGLU) in one C call over the same kernels (quantization/gguf_decode_blocks.py), not ~8 module and
-    # 5 ctypes calls a block from Python; the same results bit for bit.
+    # quantization "gguf": a decode step runs every plain Llama block (no biases, no q/k norms, SwiGLU) in
+    # one C call over the same kernels (quantization/gguf_decode_blocks.py), not ~8 module and 5 ctypes
+    # calls a block from Python; the same results bit for bit.
     gguf_decode_blocks: bool = True
     fused_rms_norm: bool | None = None  # RMSNorm with the residual add fused in (one launch)
     fused_rotary: bool | None = None  # rotary embedding of q and k in place (one launch)

@@ -79,7 +79,7 @@ OPTION_HELP: dict[str, str] = {
     "multiplied with the packed codes as integers (llama.cpp's way: ~3x faster decode; on SmolLM2 the "
     "top-1 token agrees with float32's at 93 of 100 teacher-forced positions); off: float32 inputs times "
     "the exact weights",
-    "gguf_decode_blocks": "with gguf_int8_activations: a decode step runs every plain Llama block in one C "
+    "gguf_decode_blocks": "quantization gguf: a decode step runs every plain Llama block in one C "
     "call over the same kernels (no Python between them); the same results bit for bit",
     "fused_rms_norm": "Triton RMSNorm with the residual add fused in; unset: on with CUDA + Triton",
     "fused_rotary": "Triton rotary embedding of q and k in place; unset: on with CUDA + Triton",

@@ -27,7 +27,7 @@ def load_for_args(args: argparse.Namespace) -> LoadedModel:
         load_format=args.load_format,
         seed=args.seed,
         tokenizer=getattr(args, "tokenizer", None),
-        quantization=getattr(args, "quantization", None) or "none",  # --quantization, where it is a flag
+        quantization=getattr(args, "quantization", None) or "auto",  # --quantization, where it is a flag
     )
 
 

@@ -62,9 +62,20 @@ def client_machine() -> str:
 
 
 def describe_model(loaded: LoadedModel) -> str:
-    num_params = sum(p.numel() for p in loaded.model.parameters())
+    """The model's source, architecture, parameter count (packed GGUF weights included; a tied head
+    counted once) and dtype, with the quantization it runs in."""
+    from tokenmill.quantization.gguf_method import packed_numel
+
+    model = loaded.model
+    tied_head = model.lm_head if loaded.config.tie_word_embeddings else None
+    packed = sum(packed_numel(module) for module in model.modules() if module is not tied_head)
+    num_params = sum(p.numel() for p in model.parameters()) + packed
     dtype = str(loaded.dtype).removeprefix("torch.")
-    return f"{loaded.source} ({loaded.config.architecture}, {num_params / 1e6:.1f} M parameters, {dtype})"
+    quantized = "" if loaded.quantization == "none" else f", quantization {loaded.quantization}"
+    return (
+        f"{loaded.source} ({loaded.config.architecture}, {num_params / 1e6:.1f} M parameters, {dtype}"
+        f"{quantized})"
+    )
 
 
 # -- formatting --------------------------------------------------------------------------------------

@@ -198,6 +198,7 @@ def kernel_options_for(config: EngineConfig, device: torch.device) -> KernelOpti
         kernels.fused_gemv,
         kernels.programmatic_launch,
         prepacked_cpu_linear=kernels.prepacked_cpu_linear,
+        gguf_packed=packed_gguf,
         gguf_int8_activations=packed_gguf and kernels.gguf_int8_activations,
         gguf_decode_blocks=packed_gguf and kernels.gguf_decode_blocks,
         w8a8=kernels.fused_w8a8,

@@ -42,10 +42,18 @@ def describe_startup(
         + (", float8 e4m3" if config.kv.kv_cache_dtype != "auto" else ""),
         f"max_num_seqs {scheduler.max_running}, {scheduler.token_budget} tokens per step"
         + (", chunked prefill" if scheduler.chunked_prefill else ""),
+        *_weights(config, kernels),
         _host_threads(torch.get_num_threads()),
         _times(times, graphs, prefill_graphs),
     ]
     return "; ".join(parts)
+
+
+def _weights(config: EngineConfig, kernels: KernelOptions) -> list[str]:
+    """The quantization the model runs in, where it is one (``auto`` resolved)."""
+    if config.quantization == "gguf":
+        return [f"weights gguf packed, {'int8' if kernels.gguf_int8_activations else 'float32'} inputs"]
+    return [] if config.quantization == "none" else [f"weights {config.quantization}"]
 
 
 def _tensor_parallel(size: int) -> str:

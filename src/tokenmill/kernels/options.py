@@ -14,7 +14,7 @@ from tokenmill.kernels import interpreter_enabled, triton_available
 # Rows (tokens) a projection may have to go through tokenmill.kernels.gemv; more go to cuBLAS, which reads
 # the weights once for all of them.
 GEMV_MAX_ROWS = 1
-_NOT_KERNELS = ("pdl", "prepacked_cpu_linear", "gguf_int8_activations", "gguf_decode_blocks")
+_NOT_KERNELS = ("pdl", "prepacked_cpu_linear", "gguf_packed", "gguf_int8_activations", "gguf_decode_blocks")
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,13 @@ class KernelOptions:
     pdl: bool = False
     # Float32 CPU projections through a oneDNN-reordered copy of their weight (models/layers/cpu_linear.py).
     prepacked_cpu_linear: bool = False
-    # Packed GGUF projections (quantization "gguf") with inputs rounded to int8 per block of 32 and integer
-    # products (quantization/gguf_int8_kernel.py) where the CPU has AVX2; off, float32 inputs.
+    # The projections are packed GGUF blocks on the CPU (quantization "gguf"): the norm or gated activation
+    # before one runs inside its C call (quantization/gguf_prologue.py).
+    gguf_packed: bool = False
+    # With gguf_packed: inputs rounded to int8 per block of 32 and integer products
+    # (quantization/gguf_int8_kernel.py) where the CPU has AVX2; off, float32 inputs.
     gguf_int8_activations: bool = False
-    # With gguf_int8_activations: decode steps through every plain Llama block in one C call
+    # With gguf_packed: decode steps through every plain Llama block in one C call
     # (quantization/gguf_decode_blocks.py).
     gguf_decode_blocks: bool = False
 
@@ -52,6 +55,7 @@ class KernelOptions:
         pdl: bool | None = None,
         prepacked_cpu_linear: bool = False,
         w8a8: bool | None = None,
+        gguf_packed: bool = False,
         gguf_int8_activations: bool = False,
         gguf_decode_blocks: bool = False,
     ) -> "KernelOptions":
@@ -66,6 +70,7 @@ class KernelOptions:
             w8a8=resolve_kernel_toggle("w8a8", w8a8, device),
             pdl=resolve_pdl(pdl, device),
             prepacked_cpu_linear=prepacked_cpu_linear,
+            gguf_packed=gguf_packed,
             gguf_int8_activations=gguf_int8_activations,
             gguf_decode_blocks=gguf_decode_blocks,
         )

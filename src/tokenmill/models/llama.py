@@ -234,25 +234,29 @@ class LlamaModel(FusableLayer):
         self.configure(KernelOptions())
 
     def configure(self, options: KernelOptions) -> None:
-        """With ``gguf_decode_blocks`` (and int8 GGUF projections): decode steps through the blocks in one
-        C call where every block is a plain Llama one (see ``quantization/gguf_decode_blocks.py``)."""
+        """With ``gguf_decode_blocks`` (and GGUF-packed projections): decode steps through the blocks in
+        one C call where every block is a plain Llama one (see ``quantization/gguf_decode_blocks.py``)."""
         self._decode_blocks: Any = None
-        if options.gguf_int8_activations and options.gguf_decode_blocks:
-            self._decode_blocks = self._plain_blocks()
+        if options.gguf_packed and options.gguf_decode_blocks:
+            self._decode_blocks = self._plain_blocks(options.gguf_int8_activations)
 
-    def _plain_blocks(self) -> Any:
+    def _plain_blocks(self, int8_activations: bool) -> Any:
         from tokenmill.quantization.gguf_decode_blocks import DecodeBlocks
 
         first = self.layers[0]
         assert isinstance(first, LlamaDecoderLayer)
         rotary = first.self_attn.rotary_emb  # one table, shared by every block
         table = rotary.cos_sin_cache
-        if tp_world_size() != 1 or not DecodeBlocks.available() or table.dtype != torch.float32:
+        if (
+            tp_world_size() != 1
+            or not DecodeBlocks.available(int8_activations)
+            or table.dtype != torch.float32
+        ):
             return None
         if rotary.rotary_dim != first.self_attn.attn.spec.head_dim:
             return None
         blocks = [_plain_block(layer) for layer in self.layers]
-        return None if any(b is None for b in blocks) else DecodeBlocks(blocks, table)
+        return None if any(b is None for b in blocks) else DecodeBlocks(blocks, table, int8_activations)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

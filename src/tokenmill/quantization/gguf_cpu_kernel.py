@@ -24,6 +24,7 @@ from functools import cache
 import torch
 
 from tokenmill.native import compile_library
+from tokenmill.quantization.gguf_prologue import FUSED_ARGTYPES, ROW_PROLOGUES
 
 # The twelve format variants (a VARIANT macro each source defines) and the table that picks one: shared
 # by this kernel and gguf_int8_kernel.py, whose variants take the same formats.
@@ -50,7 +51,9 @@ static row_fn variant(int group, int four_bit, int half, int has_offset) {
 
 _SOURCE = (
     r"""
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -154,7 +157,7 @@ INLINE void dequantize_chunk(const uint8_t* codes, const void* scale, const void
     }
 }
 
-/* Output row `row` against `rows` (1 or 4) input rows, its weights formed in registers once per chunk
+/* Output row `row` against `rows` (1 to 4) input rows, its weights formed in registers once per chunk
    and used by every input row. */
 INLINE void row_dots(const uint8_t* codes, const void* scale, const void* offset, int64_t row,
                      const float* x, int64_t K, const int rows, const int group, const int four_bit,
@@ -176,22 +179,29 @@ typedef void (*row_fn)(const float*, int64_t, int64_t, const uint8_t*, const voi
                        int64_t, int64_t, float*);
 
 /* One function per format, its arguments constant: output rows [n0, n1) of y = x w^T, input rows four
-   at a time (then one at a time); each output element sees the same operations either way. */
+   at a time, then the last one to three together (one more pass over the weights, not one per row: a
+   5-row verification step of speculative decoding is two passes); each output element sees the same
+   operations whatever the row count. */
+#define ROWS(R, GROUP, FOUR, HALF, OFF)                                                                   \
+    row_dots(codes, scale, offset, n, x + m * K, K, R, GROUP, FOUR, HALF, OFF, y + m * N + n, N)
 #define VARIANT(NAME, GROUP, FOUR, HALF, OFF)                                                              \
     static void NAME(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scale,       \
                      const void* offset, int64_t n0, int64_t n1, int64_t N, float* y) {                   \
         for (int64_t n = n0; n < n1; n++) {                                                               \
             int64_t m = 0;                                                                                \
             for (; M - m >= 4; m += 4) /* constant row counts: the sums stay in registers */             \
-                row_dots(codes, scale, offset, n, x + m * K, K, 4, GROUP, FOUR, HALF, OFF, y + m * N + n,  \
-                         N);                                                                              \
-            for (; m < M; m++)                                                                            \
-                row_dots(codes, scale, offset, n, x + m * K, K, 1, GROUP, FOUR, HALF, OFF, y + m * N + n,  \
-                         N);                                                                              \
+                ROWS(4, GROUP, FOUR, HALF, OFF);                                                          \
+            if (M - m == 3)                                                                               \
+                ROWS(3, GROUP, FOUR, HALF, OFF);                                                          \
+            else if (M - m == 2)                                                                          \
+                ROWS(2, GROUP, FOUR, HALF, OFF);                                                          \
+            else if (M - m == 1)                                                                          \
+                ROWS(1, GROUP, FOUR, HALF, OFF);                                                          \
         }                                                                                                 \
     }
 """
     + FORMAT_DISPATCH
+    + ROW_PROLOGUES
     + r"""
 /* y[m, n] = sum_k x[m, k] * w[n, k] for the packed weight w of N rows; 1 for an unknown format. Each
    thread takes a contiguous range of output rows. */
@@ -204,6 +214,34 @@ int gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* codes, cons
         int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
         fn(x, M, K, codes, scale, offset, N * t / count, N * (t + 1) / count, N, y);
     }
+    return 0;
+}
+
+/* gguf_linear on the rows the prologue forms from x (gguf_prologue.py; x rows are 2K long for the gates),
+   with the signature of gguf_linear_int8. 1 for an unknown format, 2 where scratch memory is short. */
+int gguf_linear_prologue(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scale,
+                         const void* offset, int64_t N, int group, int four_bit, int half, float* y,
+                         int threads, int prologue, const float* residual, float* sum_out,
+                         const float* norm_weight, float eps, int unit_offset) {
+    row_fn fn = variant(group, four_bit, half, offset != 0);
+    if (fn == 0 || K % 32 != 0) return 1;
+    if (M == 0) return 0;
+    int64_t x_stride = prologue >= SILU_GATE ? 2 * K : K;
+    float* h = prologue == PLAIN ? 0 : malloc(M * K * sizeof(float));
+    if (prologue != PLAIN && !h) return 2;
+    const float* rows = prologue == PLAIN ? x : h;
+    #pragma omp parallel num_threads(threads)
+    {
+        if (prologue != PLAIN) {
+            #pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++)
+                form_row(prologue, x + m * x_stride, K, residual ? residual + m * K : 0, sum_out + m * K,
+                         norm_weight, eps, unit_offset, h + m * K);
+        }
+        int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        fn(rows, M, K, codes, scale, offset, N * t / count, N * (t + 1) / count, N, y);
+    }
+    free(h);
     return 0;
 }
 
@@ -248,6 +286,8 @@ def load_kernel() -> ctypes.CDLL | None:
         pointer,
         flag,
     ]  # x, M, K, codes, scale, offset, N, group, four_bit, half, y, threads
+    library.gguf_linear_prologue.restype = ctypes.c_int
+    library.gguf_linear_prologue.argtypes = FUSED_ARGTYPES
     library.gguf_dequantize.restype = ctypes.c_int
     library.gguf_dequantize.argtypes = [
         pointer,

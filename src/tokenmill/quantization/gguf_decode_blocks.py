@@ -3,13 +3,15 @@
 At batch 1 of SmolLM2 the C kernels of a step (121 int8 projections, 30 attentions) take ~7 ms and the
 Python around them another ~4: each block is eight module calls, five ctypes calls with their argument
 conversions, views and output allocations. This call runs the blocks' sequence in C, calling the very
-same kernels with the same arguments in the same order (the int8 projection of ``gguf_int8_kernel.py``
-with its norm and SwiGLU prologues, the decode attention of ``attention/cpu_kernel.py``, reached through
-function pointers), so its results are the Python path's bit for bit.
+same kernels with the same arguments in the same order (the projection function the layers call, with
+its norm and SwiGLU prologues: ``gguf_linear_prologue`` for float32 inputs, ``gguf_linear_int8`` with
+``gguf_int8_activations``; the decode attention of ``attention/cpu_kernel.py``; reached through function
+pointers), so its results are the Python path's bit for bit.
 
 It takes plain Llama blocks only (no biases, no q/k norms, SwiGLU, unsharded, every projection one packed
-weight, whole-head rotary in a float32 table) in steps the C attention takes (one new token per sequence,
-float32 paged pools); the model runs its Python loop otherwise.
+weight, whole-head rotary in a float32 table) in steps the C attention takes (up to 16 new tokens per
+sequence, float32 paged pools) and, with float32 inputs, of fewer than ``DEQUANTIZED_MIN_ROWS`` rows (more
+go to BLAS in the Python loop); the model runs its Python loop otherwise.
 """
 
 import ctypes
@@ -24,8 +26,10 @@ from tokenmill.attention.cpu_backend import CpuAttentionBackend, decode_arrays, 
 from tokenmill.attention.cpu_kernel import load_decode_attention
 from tokenmill.attention.forward_context import get_forward_context
 from tokenmill.native import compile_library
-from tokenmill.quantization.gguf_int8_kernel import RMS_NORM, SILU_GATE, load_int8_kernel
-from tokenmill.quantization.gguf_packed import PackedWeight
+from tokenmill.quantization.gguf_cpu_kernel import load_kernel
+from tokenmill.quantization.gguf_int8_kernel import load_int8_kernel
+from tokenmill.quantization.gguf_packed import DEQUANTIZED_MIN_ROWS, PackedWeight
+from tokenmill.quantization.gguf_prologue import RMS_NORM, SILU_GATE
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -143,6 +147,10 @@ def _load_library() -> ctypes.CDLL | None:
     return library
 
 
+def _projection_kernel(int8_activations: bool) -> ctypes.CDLL | None:
+    return load_int8_kernel() if int8_activations else load_kernel()
+
+
 def _projection(weight: PackedWeight) -> _Projection:
     offset = None if weight.offset is None else weight.offset.data_ptr()
     return _Projection(weight.codes.data_ptr(), weight.scale.data_ptr(), offset, weight.out_features,
@@ -153,18 +161,20 @@ def _projection(weight: PackedWeight) -> _Projection:
 class DecodeBlocks:
     """The C decode loop over a model's blocks; :meth:`run` returns None for steps it does not take."""
 
-    def __init__(self, blocks: list[BlockWeights], cos_sin: torch.Tensor) -> None:
+    def __init__(self, blocks: list[BlockWeights], cos_sin: torch.Tensor, int8_activations: bool) -> None:
         self.blocks = blocks
         self.cos_sin = cos_sin.contiguous()
+        self.int8_activations = int8_activations
         self._pools: tuple[int, ...] = ()  # the KV pools the structures point into
         self._structs: Any = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "DecodeBlocks":
-        return DecodeBlocks(self.blocks, self.cos_sin)  # ctypes structures are rebuilt, not copied
+        # ctypes structures are rebuilt, not copied
+        return DecodeBlocks(self.blocks, self.cos_sin, self.int8_activations)
 
     @staticmethod
-    def available() -> bool:
-        kernels = (_load_library(), load_int8_kernel(), load_decode_attention())
+    def available(int8_activations: bool) -> bool:
+        kernels = (_load_library(), _projection_kernel(int8_activations), load_decode_attention())
         return all(kernel is not None for kernel in kernels)
 
     def run(
@@ -178,6 +188,8 @@ class DecodeBlocks:
         if len(caches) != len(self.blocks):  # a pool for each block, no more, no fewer
             return None
         if embeddings.dtype != torch.float32 or embeddings.dim() != 2:
+            return None
+        if not self.int8_activations and embeddings.shape[0] >= DEQUANTIZED_MIN_ROWS:
             return None
         width = self.blocks[0].qkv.out_features
         probe = embeddings.new_empty(embeddings.shape[0], width)
@@ -200,7 +212,7 @@ class DecodeBlocks:
         step = _Step(
             rows, torch.get_num_threads(), RMS_NORM, SILU_GATE, self.cos_sin.data_ptr(), positions.data_ptr(),
             arrays.slots.data_ptr(), arrays.tables.data_ptr(), arrays.tables.shape[1],
-            arrays.seq_lens.data_ptr(), ctypes.cast(load_int8_kernel().gguf_linear_int8, _P).value,  # type: ignore[union-attr]
+            arrays.seq_lens.data_ptr(), self._linear_pointer(),
             ctypes.cast(load_decode_attention().decode_attention, _P).value,  # type: ignore[union-attr]
             *(tensor.data_ptr() for tensor in scratch.values()), (_P * 2)(*(h.data_ptr() for h in hidden)),
         )  # fmt: skip
@@ -217,6 +229,13 @@ class DecodeBlocks:
         if status != 0:
             raise RuntimeError(f"the C decode blocks failed with status {status}")
         return hidden[(len(self.blocks) - 1) % 2], residual
+
+    def _linear_pointer(self) -> int | None:
+        """The projection function the loop calls: the one the layers' fused path calls."""
+        library = _projection_kernel(self.int8_activations)
+        assert library is not None
+        function = library.gguf_linear_int8 if self.int8_activations else library.gguf_linear_prologue
+        return ctypes.cast(function, _P).value
 
     def _bind(self, caches: Any) -> Any:
         """The blocks' structures, rebuilt when the KV pools they point into are not the ones bound."""

@@ -18,13 +18,19 @@ and the float kernel runs.
 """
 
 import ctypes
-from dataclasses import dataclass
 from functools import cache
 
 import torch
 
 from tokenmill.native import compile_library
 from tokenmill.quantization.gguf_cpu_kernel import FORMAT_DISPATCH
+from tokenmill.quantization.gguf_prologue import (
+    FUSED_ARGTYPES,
+    PLAIN,
+    ROW_PROLOGUES,
+    NormPrologue,
+    run_fused,
+)
 
 _SOURCE = (
     r"""
@@ -74,34 +80,9 @@ static void quantize_row(const float* x, int64_t K, int8_t* q, float* step, floa
     }
 }
 
-/* What the projection's input row is, formed from the caller's row x first (one row, K outputs). */
-enum { PLAIN = 0, RMS_NORM = 1, SILU_GATE = 2, GELU_TANH_GATE = 3 };
-
-/* RMS_NORM: h = norm(x + residual) (residual may be NULL), the sum written to sum_out; the gates:
-   h = act(x[:K]) * x[K:2K]. Rounded as the PyTorch layers round (float32 throughout). */
-static void form_row(int prologue, const float* x, int64_t K, const float* residual, float* sum_out,
-                     const float* norm_weight, float eps, int unit_offset, float* h) {
-    if (prologue == RMS_NORM) {
-        float squares = 0.0f;
-        for (int64_t i = 0; i < K; i++) {
-            float v = residual ? x[i] + residual[i] : x[i];
-            sum_out[i] = v;
-            squares += v * v;
-        }
-        float inverse = 1.0f / sqrtf(squares / (float)K + eps);
-        for (int64_t i = 0; i < K; i++)
-            h[i] = sum_out[i] * inverse * (unit_offset ? 1.0f + norm_weight[i] : norm_weight[i]);
-    } else if (prologue == SILU_GATE) {
-        for (int64_t i = 0; i < K; i++) h[i] = x[i] / (1.0f + expf(-x[i])) * x[K + i];
-    } else {
-        const float root = 0.7978845608028654f;  /* sqrt(2 / pi) */
-        for (int64_t i = 0; i < K; i++) {
-            float g = x[i];
-            h[i] = 0.5f * g * (1.0f + tanhf(root * (g + 0.044715f * g * g * g))) * x[K + i];
-        }
-    }
-}
-
+"""
+    + ROW_PROLOGUES
+    + r"""
 INLINE float factor(const void* p, int64_t i, const int half) {
     return half ? _cvtsh_ss(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
@@ -285,53 +266,15 @@ int gguf_linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* codes,
 )
 
 
-# The prologues (the C enum): the rows the projection multiplies, formed from the caller's rows.
-PLAIN, RMS_NORM, SILU_GATE, GELU_TANH_GATE = 0, 1, 2, 3
-GATE_PROLOGUES = {"silu": SILU_GATE, "gelu_tanh": GELU_TANH_GATE}
-
-
-@dataclass(frozen=True)
-class NormPrologue:
-    """An RMSNorm before the projection: ``norm(x + residual)`` (no residual: ``norm(x)``)."""
-
-    weight: torch.Tensor  # float32 [K]
-    eps: float
-    unit_offset: bool  # the scale is 1 + weight (Gemma)
-    residual: torch.Tensor | None
-
-
 @cache
 def load_int8_kernel() -> ctypes.CDLL | None:
     """The compiled kernel, or None where it cannot be built (no compiler, or no AVX2)."""
     library = compile_library("gguf_linear_int8", _SOURCE)
     if library is None or not hasattr(library, "gguf_linear_int8"):
         return None
-    pointer, size, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.gguf_linear_int8.restype = ctypes.c_int
-    library.gguf_linear_int8.argtypes = [
-        pointer, size, size, pointer, pointer, pointer, size, flag, flag, flag, pointer, flag,  # x .. threads
-        flag, pointer, pointer, pointer, ctypes.c_float, flag,  # prologue .. norm's unit_offset
-    ]  # fmt: skip
+    library.gguf_linear_int8.argtypes = FUSED_ARGTYPES
     return library
-
-
-def _check_shapes(
-    x: torch.Tensor, cols: int, prologue: int | NormPrologue, norm: NormPrologue | None
-) -> None:
-    """The C loop reads what the weight's shape says: refuse inputs of another shape before it runs."""
-    width = 2 * cols if prologue in GATE_PROLOGUES.values() else cols
-    if x.dim() != 2 or x.shape[1] != width or x.dtype != torch.float32 or not x.is_contiguous():
-        raise ValueError(
-            f"input of shape {tuple(x.shape)} ({x.dtype}); the weight takes [rows, {width}] float32"
-        )
-    if norm is None:
-        return
-    if norm.weight.shape != (cols,) or norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous():
-        raise ValueError(
-            f"norm weight of shape {tuple(norm.weight.shape)}; the projection takes [{cols}] float32"
-        )
-    if norm.residual is not None and norm.residual.shape != x.shape:
-        raise ValueError(f"residual of shape {tuple(norm.residual.shape)} beside input {tuple(x.shape)}")
 
 
 def run_int8_kernel(
@@ -343,27 +286,6 @@ def run_int8_kernel(
     group: int,
     prologue: int | NormPrologue = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[M, N]`` products of the rows formed from contiguous float32 ``x`` by ``prologue`` (``[M, K]``
-    for PLAIN and a norm, ``[M, 2K]`` for a gate), rounded to int8 per block of 32, with the packed
-    weight (see the module docstring); and for a norm, ``x + residual`` (else None)."""
-    rows = x.shape[0]
-    cols = codes.shape[1] * group
-    norm = prologue if isinstance(prologue, NormPrologue) else None
-    _check_shapes(x, cols, prologue, norm)
-    out = torch.empty(rows, codes.shape[0], dtype=torch.float32)
-    total = torch.empty(rows, cols, dtype=torch.float32) if norm is not None else None
-    residual = None if norm is None or norm.residual is None else norm.residual.float().contiguous()
-    status = library.gguf_linear_int8(
-        x.data_ptr(), rows, cols, codes.data_ptr(), scale.data_ptr(),
-        None if offset is None else offset.data_ptr(), codes.shape[0], group,
-        int(codes.dtype == torch.uint8), int(scale.dtype == torch.float16), out.data_ptr(),
-        torch.get_num_threads(), RMS_NORM if norm is not None else prologue,
-        None if residual is None else residual.data_ptr(), None if total is None else total.data_ptr(),
-        None if norm is None else norm.weight.data_ptr(), 0.0 if norm is None else norm.eps,
-        int(norm is not None and norm.unit_offset),
-    )  # fmt: skip
-    if status == 2:
-        raise MemoryError("the int8 GGUF kernel could not allocate its scratch buffers")
-    if status != 0:
-        raise ValueError(f"the int8 GGUF kernel has no {codes.dtype} variant with groups of {group}")
-    return out, total
+    """:func:`gguf_prologue.run_fused` with the rows rounded to int8 per block of 32 (see the module
+    docstring)."""
+    return run_fused(library.gguf_linear_int8, x, codes, scale, offset, group, prologue)

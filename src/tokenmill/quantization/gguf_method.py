@@ -9,10 +9,10 @@ packs them (:func:`pack_parts`: one weight per run of parts in one format). ``la
 placeholder with no columns: the engine only asks it for its device and dtype.
 
 CPU only (the kernels are C loops). The weights are bit-identical to the float32 dequantized ones; with
-``KernelOptions.gguf_int8_activations`` (the engine's default on AVX2) the inputs are rounded to int8 per
-block of 32 and multiplied as integers (``gguf_int8_kernel.py``), and :func:`fused_int8_linear` lets the
-norm or activation before a projection run in the same call; off, float32 inputs give the float32
-engine's results up to summation order.
+``KernelOptions.gguf_int8_activations`` (asked for; AVX2 CPUs) the inputs are rounded to int8 per
+block of 32 and multiplied as integers (``gguf_int8_kernel.py``); off, float32 inputs give the float32
+engine's results up to summation order. Either way :func:`fused_packed_linear` lets the norm or
+activation before a projection run in the same C call.
 """
 
 from functools import partial
@@ -23,8 +23,8 @@ from torch import nn
 
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.quantization.gguf_blocks import SUPPORTED_QTYPES, GGUFBlocks
-from tokenmill.quantization.gguf_int8_kernel import NormPrologue
 from tokenmill.quantization.gguf_packed import PackedRows, PackedWeight, pack_parts
+from tokenmill.quantization.gguf_prologue import NormPrologue
 from tokenmill.quantization.method import (
     LinearMethod,
     MatmulPath,
@@ -64,23 +64,29 @@ def packed_nbytes(module: nn.Module) -> int:
     return 0 if packed is None else packed.nbytes
 
 
+def packed_numel(module: nn.Module) -> int:
+    """Weights of the packed weight ``module`` holds (0: none), which its placeholder ``weight`` omits."""
+    packed: Packed | None = getattr(module, _PACKED, None)
+    return 0 if packed is None else packed.out_features * packed.in_features
+
+
 def _packed_linear(layer: ProjectionLayer, int8_activations: bool, x: torch.Tensor) -> torch.Tensor:
     out = packed_weight(layer).linear(x, layer.local_bias(), int8_activations)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def fused_int8_linear(
-    layer: nn.Module, x: torch.Tensor, prologue: int | NormPrologue
+def fused_packed_linear(
+    layer: nn.Module, x: torch.Tensor, prologue: int | NormPrologue, int8_activations: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """A GGUF-packed layer's projection of the rows ``prologue`` forms from ``x``, in one int8 kernel call
-    (:meth:`PackedWeight.fused_int8_linear`); None where the layer is not one packed weight in float32 or
-    the kernel is not built: the caller runs the prologue and the projection one after the other."""
+    """A GGUF-packed layer's projection of the rows ``prologue`` forms from ``x``, in one kernel call
+    (:meth:`PackedWeight.fused_linear`); None where the layer is not one packed weight in float32 or the
+    call is not one the kernel takes: the caller runs the prologue and the projection one after the other."""
     packed = getattr(layer, _PACKED, None)
     if not isinstance(packed, PackedWeight) or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
     if isinstance(prologue, NormPrologue) and prologue.weight.dtype != torch.float32:
         return None
-    result = packed.fused_int8_linear(x, prologue, layer.local_bias())  # type: ignore[operator]
+    result = packed.fused_linear(x, prologue, layer.local_bias(), int8_activations)  # type: ignore[operator]
     if result is None:
         return None
     return layer.reduce(result[0]), result[1]  # type: ignore[operator]

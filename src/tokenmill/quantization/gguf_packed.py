@@ -32,7 +32,8 @@ from gguf import GGMLQuantizationType
 
 from tokenmill.quantization.gguf_blocks import DecodedBlocks, GGUFBlocks, concat_rows, decode_blocks
 from tokenmill.quantization.gguf_cpu_kernel import load_kernel, run_dequantize, run_kernel
-from tokenmill.quantization.gguf_int8_kernel import NormPrologue, load_int8_kernel, run_int8_kernel
+from tokenmill.quantization.gguf_int8_kernel import load_int8_kernel, run_int8_kernel
+from tokenmill.quantization.gguf_prologue import NormPrologue, run_fused
 
 # Steps of at least this many input rows (prefill chunks, large batches) multiply the float32 weight,
 # formed by the kernel, with BLAS: per four rows the kernel forms every weight again. SmolLM2's layers on 2
@@ -100,17 +101,23 @@ class PackedWeight:
             out = out + bias
         return out.view(*x.shape[:-1], self.out_features)
 
-    def fused_int8_linear(
-        self, x: torch.Tensor, prologue: int | NormPrologue, bias: torch.Tensor | None = None
+    def fused_linear(
+        self,
+        x: torch.Tensor,
+        prologue: int | NormPrologue,
+        bias: torch.Tensor | None = None,
+        int8_activations: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The projection of the rows ``prologue`` forms from float32 ``x`` (``[..., K]``, ``[..., 2K]``
-        for a gate), inputs rounded to int8 (``gguf_int8_kernel.py``), and for a norm ``x + residual``;
-        None where the int8 kernel is not built (the caller runs the prologue and :meth:`linear`)."""
-        library = load_int8_kernel()
+        for a gate) in one C call (``gguf_prologue.py``), the inputs rounded to int8 with
+        ``int8_activations``, and for a norm ``x + residual``; None where that kernel is not built or the
+        call has ``DEQUANTIZED_MIN_ROWS`` rows or more (the caller runs the prologue and :meth:`linear`)."""
+        library = load_int8_kernel() if int8_activations else load_kernel()
         if library is None or x.numel() >= DEQUANTIZED_MIN_ROWS * x.shape[-1]:
             return None
+        function = library.gguf_linear_int8 if int8_activations else library.gguf_linear_prologue
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-        out, total = run_int8_kernel(library, rows, self.codes, self.scale, self.offset, self.group, prologue)
+        out, total = run_fused(function, rows, self.codes, self.scale, self.offset, self.group, prologue)
         if bias is not None:
             out = out + bias
         lead = x.shape[:-1]

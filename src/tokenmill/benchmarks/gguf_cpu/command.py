@@ -157,7 +157,7 @@ def _decode_runs(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
         c: best(lambda b: _tokenmill_run(engines["float32"], b, args.new_tokens), c) for c in args.sequences
     }
     del engines["float32"]
-    float_inputs_llm = _engine(path, "gguf", args, gguf_int8_activations=False)
+    float_inputs_llm = _engine(path, "auto", args)  # the default: packed codes, float32 inputs
     float_inputs = {
         c: best(lambda b: _tokenmill_run(float_inputs_llm, b, args.new_tokens), c) for c in args.sequences
     }
@@ -197,23 +197,25 @@ def _report(args: argparse.Namespace, path: Path, lines: list[dict[str, Any]], b
     for line in lines:
         peer, gguf = line.get("llama_cpp"), line["tokenmill_gguf"]
         share = gguf / line["sequences"] * line["gguf_weight_bytes_per_step"] / bandwidth
+        default = line["tokenmill_gguf_float_inputs"]
         rows.append([
-            str(line["sequences"]), f"{line['tokenmill_float32']:.1f}",
-            f"{line['tokenmill_gguf_float_inputs']:.1f}", f"{gguf:.1f}",
-            "-" if peer is None else f"{peer:.1f}", "-" if peer is None else f"{gguf / peer:.2f}x",
+            str(line["sequences"]), f"{line['tokenmill_float32']:.1f}", f"{default:.1f}", f"{gguf:.1f}",
+            "-" if peer is None else f"{peer:.1f}", "-" if peer is None else f"{default / peer:.2f}x",
+            "-" if peer is None else f"{gguf / peer:.2f}x",
             _divergence(line.get("gguf_float_inputs_first_divergence")),
             _divergence(line.get("gguf_first_divergence")),
             _divergence(line.get("llama_cpp_first_divergence")), f"{share:.0%}",
         ])  # fmt: skip
     headers = [
         "sequences",
-        "tokenmill float32",
-        "tokenmill gguf, float32 inputs",
-        "tokenmill gguf (int8 inputs, default)",
+        "tokenmill float32 weights",
+        "tokenmill default (gguf, float32 inputs)",
+        "tokenmill gguf, int8 inputs",
         "llama.cpp",
-        "gguf / llama.cpp",
-        "gguf float32 inputs vs float32 greedy",
-        "gguf vs float32 greedy",
+        "default / llama.cpp",
+        "int8 inputs / llama.cpp",
+        "default vs float32 greedy",
+        "int8 inputs vs float32 greedy",
         "llama.cpp vs float32 greedy",
         "weight bytes / copy bandwidth",
     ]
@@ -227,10 +229,11 @@ def _report(args: argparse.Namespace, path: Path, lines: list[dict[str, Any]], b
         markdown_table(headers, rows), "",
         "- greedy: the first output position where a sequence's tokens differ from tokenmill float32's "
         "(= where none do)",
-        "- tokenmill gguf: `quantization=\"gguf\"`, the packed codes; float32 inputs: "
-        "`gguf_int8_activations=False` (the exact float32 weights times float32 inputs); int8 inputs (the "
-        "default): each input row rounded to int8 per block of 32 and multiplied as integers, as llama.cpp "
-        "does, and decode steps through the plain Llama blocks in one C call (`gguf_decode_blocks`)",
+        "- tokenmill float32 weights: `quantization=\"none\"` (the file dequantized, oneDNN); default: "
+        "`quantization` auto, which keeps a .gguf file's codes packed on the CPU, float32 inputs times the "
+        "exact float32 weights; int8 inputs: `gguf_int8_activations=True`, each input row rounded to int8 "
+        "per block of 32 and multiplied as integers, as llama.cpp does; both gguf engines run decode steps "
+        "through the plain Llama blocks in one C call (`gguf_decode_blocks`)",
         "- weight bytes / copy bandwidth: the packed engine's weight bytes read per step times steps per "
         "second, over the copy bandwidth",
     ])  # fmt: skip

@@ -9,6 +9,7 @@ The two layers stay registered where the checkpoint names them (``input_layernor
 ``self_attn.qkv_proj``); these layers only refer to them, and hold no weights of their own.
 """
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -40,11 +41,13 @@ class PreNormLinear(FusableLayer):
 
             self._rms_norm_gemv_kernel = rms_norm_gemv
             self._forward = self.forward_gemv
-        elif options.gguf_int8_activations:
-            from tokenmill.quantization.gguf_method import fused_int8_linear
+        elif options.gguf_packed:
+            from tokenmill.quantization.gguf_method import fused_packed_linear
 
-            self._fused_int8_linear = fused_int8_linear
-            self._forward = self.forward_gguf_int8
+            self._fused_packed_linear = functools.partial(
+                fused_packed_linear, int8_activations=options.gguf_int8_activations
+            )
+            self._forward = self.forward_gguf_packed
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> Pair:
         return self._forward(hidden, residual)
@@ -74,13 +77,13 @@ class PreNormLinear(FusableLayer):
         )
         return linear.reduce(out), residual
 
-    def forward_gguf_int8(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> Pair:
-        """One C call for a GGUF-packed projection: the norm is applied as its int8 inputs are formed."""
-        from tokenmill.quantization.gguf_int8_kernel import NormPrologue
+    def forward_gguf_packed(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> Pair:
+        """One C call for a GGUF-packed projection: the norm forms its input rows."""
+        from tokenmill.quantization.gguf_prologue import NormPrologue
 
         norm, linear = self._layers
         prologue = NormPrologue(norm.weight, norm.eps, norm.unit_offset, residual)
-        fused = self._fused_int8_linear(linear, hidden, prologue)
+        fused = self._fused_packed_linear(linear, hidden, prologue)
         if fused is None:
             return self.forward_unfused(hidden, residual)
         out, total = fused
@@ -104,13 +107,15 @@ class GatedActivationLinear(FusableLayer):
 
             self._gated_gemv_kernel = gated_gemv
             self._forward = self.forward_gemv
-        elif options.gguf_int8_activations:
-            from tokenmill.quantization.gguf_int8_kernel import GATE_PROLOGUES
-            from tokenmill.quantization.gguf_method import fused_int8_linear
+        elif options.gguf_packed:
+            from tokenmill.quantization.gguf_method import fused_packed_linear
+            from tokenmill.quantization.gguf_prologue import GATE_PROLOGUES
 
-            self._fused_int8_linear = fused_int8_linear
+            self._fused_packed_linear = functools.partial(
+                fused_packed_linear, int8_activations=options.gguf_int8_activations
+            )
             self._gate_prologue = GATE_PROLOGUES[self._layers[0].kind]
-            self._forward = self.forward_gguf_int8
+            self._forward = self.forward_gguf_packed
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._forward(gate_up)
@@ -134,8 +139,7 @@ class GatedActivationLinear(FusableLayer):
         )
         return linear.reduce(out)
 
-    def forward_gguf_int8(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """One C call for a GGUF-packed projection: the activation is applied as its int8 inputs are
-        formed."""
-        fused = self._fused_int8_linear(self._layers[1], gate_up, self._gate_prologue)
+    def forward_gguf_packed(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """One C call for a GGUF-packed projection: the activation forms its input rows."""
+        fused = self._fused_packed_linear(self._layers[1], gate_up, self._gate_prologue)
         return self.forward_unfused(gate_up) if fused is None else fused[0]
