@@ -13,9 +13,9 @@ from engine_helpers import in_thread, llm_for
 from gguf_fixtures import GGUF_ARCH, save_hf_model, tiny_gguf_config, write_gguf
 from test_gguf_packed import QTYPES, make_blocks
 from tokenmill.quantization.gguf_blocks import decode_blocks
-from tokenmill.quantization.gguf_int8_kernel import load_int8_kernel, run_int8_kernel
+from tokenmill.quantization.gguf_int8_kernel import load_int8_kernel
 from tokenmill.quantization.gguf_packed import pack_blocks
-from tokenmill.quantization.gguf_prologue import GATE_PROLOGUES, NormPrologue
+from tokenmill.quantization.gguf_prologue import GATE_PROLOGUES, NormPrologue, run_fused
 
 pytestmark = pytest.mark.skipif(load_int8_kernel() is None, reason="needs a C compiler and an AVX2 CPU")
 Q = GGMLQuantizationType
@@ -60,9 +60,8 @@ def test_the_kernel_computes_the_naive_int8_products_and_rows_do_not_depend_on_t
     packed = pack_blocks(blocks)
     x = torch.randn(9, cols)
     x[3] = 0.0  # an all-zero row: step 0, codes 0
-    out, total = run_int8_kernel(
-        load_int8_kernel(), x, packed.codes, packed.scale, packed.offset, packed.group
-    )
+    kernel = load_int8_kernel().gguf_linear_int8  # type: ignore[union-attr]
+    out, total = run_fused(kernel, x, packed.codes, packed.scale, packed.offset, packed.group)
     assert total is None
     error = (out.double() - naive_int8_linear(x, qtype, blocks)).abs()
     assert (error <= _bound(x, blocks) + 1e-6).all()

@@ -219,10 +219,7 @@ int gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* codes, cons
 
 /* gguf_linear on the rows the prologue forms from x (gguf_prologue.py; x rows are 2K long for the gates),
    with the signature of gguf_linear_int8. 1 for an unknown format, 2 where scratch memory is short. */
-int gguf_linear_prologue(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scale,
-                         const void* offset, int64_t N, int group, int four_bit, int half, float* y,
-                         int threads, int prologue, const float* residual, float* sum_out,
-                         const float* norm_weight, float eps, int unit_offset) {
+int gguf_linear_prologue(FUSED_LINEAR_PARAMS) {
     row_fn fn = variant(group, four_bit, half, offset != 0);
     if (fn == 0 || K % 32 != 0) return 1;
     if (M == 0) return 0;
@@ -289,18 +286,9 @@ def load_kernel() -> ctypes.CDLL | None:
     library.gguf_linear_prologue.restype = ctypes.c_int
     library.gguf_linear_prologue.argtypes = FUSED_ARGTYPES
     library.gguf_dequantize.restype = ctypes.c_int
-    library.gguf_dequantize.argtypes = [
-        pointer,
-        pointer,
-        pointer,
-        size,
-        size,
-        flag,
-        flag,
-        flag,
-        pointer,
-        flag,
-    ]
+    # codes, scale, offset, N, K, group, four_bit, half, y, threads
+    library.gguf_dequantize.argtypes = [pointer, pointer, pointer, size, size, flag, flag, flag, pointer,
+                                        flag]  # fmt: skip
     return library
 
 

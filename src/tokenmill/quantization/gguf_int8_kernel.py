@@ -20,17 +20,9 @@ and the float kernel runs.
 import ctypes
 from functools import cache
 
-import torch
-
 from tokenmill.native import compile_library
 from tokenmill.quantization.gguf_cpu_kernel import FORMAT_DISPATCH
-from tokenmill.quantization.gguf_prologue import (
-    FUSED_ARGTYPES,
-    PLAIN,
-    ROW_PROLOGUES,
-    NormPrologue,
-    run_fused,
-)
+from tokenmill.quantization.gguf_prologue import FUSED_ARGTYPES, ROW_PROLOGUES
 
 _SOURCE = (
     r"""
@@ -225,10 +217,7 @@ typedef void (*row_fn)(const int8_t*, const float*, const float*, int64_t, int64
     + r"""
 /* y[m, n] ~ sum_k h[m, k] * w[n, k], h the rows formed by the prologue (PLAIN: h = x); 1 for an unknown
    format, 2 where scratch memory is short. x rows are 2K long for the gates, K otherwise. */
-int gguf_linear_int8(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scale,
-                     const void* offset, int64_t N, int group, int four_bit, int half, float* y,
-                     int threads, int prologue, const float* residual, float* sum_out,
-                     const float* norm_weight, float eps, int unit_offset) {
+int gguf_linear_int8(FUSED_LINEAR_PARAMS) {
     row_fn fn = variant(group, four_bit, half, offset != 0);
     if (fn == 0 || K % 32 != 0) return 1;
     if (M == 0) return 0;
@@ -275,17 +264,3 @@ def load_int8_kernel() -> ctypes.CDLL | None:
     library.gguf_linear_int8.restype = ctypes.c_int
     library.gguf_linear_int8.argtypes = FUSED_ARGTYPES
     return library
-
-
-def run_int8_kernel(
-    library: ctypes.CDLL,
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor | None,
-    group: int,
-    prologue: int | NormPrologue = PLAIN,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`gguf_prologue.run_fused` with the rows rounded to int8 per block of 32 (see the module
-    docstring)."""
-    return run_fused(library.gguf_linear_int8, x, codes, scale, offset, group, prologue)

@@ -32,7 +32,7 @@ from gguf import GGMLQuantizationType
 
 from tokenmill.quantization.gguf_blocks import DecodedBlocks, GGUFBlocks, concat_rows, decode_blocks
 from tokenmill.quantization.gguf_cpu_kernel import load_kernel, run_dequantize, run_kernel
-from tokenmill.quantization.gguf_int8_kernel import load_int8_kernel, run_int8_kernel
+from tokenmill.quantization.gguf_int8_kernel import load_int8_kernel
 from tokenmill.quantization.gguf_prologue import NormPrologue, run_fused
 
 # Steps of at least this many input rows (prefill chunks, large batches) multiply the float32 weight,
@@ -94,7 +94,8 @@ class PackedWeight:
         elif rows.shape[0] >= DEQUANTIZED_MIN_ROWS:
             out = self._dequantized_linear(library, rows)
         elif int8_library is not None:
-            out, _ = run_int8_kernel(int8_library, rows, self.codes, self.scale, self.offset, self.group)
+            kernel = int8_library.gguf_linear_int8
+            out, _ = run_fused(kernel, rows, self.codes, self.scale, self.offset, self.group)
         else:
             out = run_kernel(library, rows, self.codes, self.scale, self.offset, self.group)
         if bias is not None:

@@ -18,6 +18,12 @@ import torch
 ROW_PROLOGUES = r"""
 enum { PLAIN = 0, RMS_NORM = 1, SILU_GATE = 2, GELU_TANH_GATE = 3 };
 
+/* The parameters of both kernels' fused functions (FUSED_ARGTYPES below). */
+#define FUSED_LINEAR_PARAMS                                                                                \
+    const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *scale, const void *offset,    \
+        int64_t N, int group, int four_bit, int half, float *y, int threads, int prologue,                \
+        const float *residual, float *sum_out, const float *norm_weight, float eps, int unit_offset
+
 /* RMS_NORM: h = norm(x + residual) (residual may be NULL), the sum written to sum_out; the gates:
    h = act(x[:K]) * x[K:2K]. Rounded as the PyTorch layers round (float32 throughout). */
 static void form_row(int prologue, const float* x, int64_t K, const float* residual, float* sum_out,
