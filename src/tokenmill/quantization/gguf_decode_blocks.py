@@ -26,9 +26,7 @@ from tokenmill.attention.cpu_backend import CpuAttentionBackend, decode_arrays, 
 from tokenmill.attention.cpu_kernel import load_decode_attention
 from tokenmill.attention.forward_context import get_forward_context
 from tokenmill.native import compile_library
-from tokenmill.quantization.gguf_cpu_kernel import load_kernel
-from tokenmill.quantization.gguf_int8_kernel import load_int8_kernel
-from tokenmill.quantization.gguf_packed import DEQUANTIZED_MIN_ROWS, PackedWeight
+from tokenmill.quantization.gguf_packed import DEQUANTIZED_MIN_ROWS, PackedWeight, fused_kernel
 from tokenmill.quantization.gguf_prologue import RMS_NORM, SILU_GATE
 
 _SOURCE = r"""
@@ -147,10 +145,6 @@ def _load_library() -> ctypes.CDLL | None:
     return library
 
 
-def _projection_kernel(int8_activations: bool) -> ctypes.CDLL | None:
-    return load_int8_kernel() if int8_activations else load_kernel()
-
-
 def _projection(weight: PackedWeight) -> _Projection:
     offset = None if weight.offset is None else weight.offset.data_ptr()
     return _Projection(weight.codes.data_ptr(), weight.scale.data_ptr(), offset, weight.out_features,
@@ -165,6 +159,11 @@ class DecodeBlocks:
         self.blocks = blocks
         self.cos_sin = cos_sin.contiguous()
         self.int8_activations = int8_activations
+        # the functions the loop calls (the projection the layers' fused path calls), resolved once
+        linear, attend = fused_kernel(int8_activations), load_decode_attention()
+        assert linear is not None and attend is not None  # the model checked available() first
+        self._linear = ctypes.cast(linear, _P).value
+        self._attend = ctypes.cast(attend.decode_attention, _P).value
         self._pools: tuple[int, ...] = ()  # the KV pools the structures point into
         self._structs: Any = None
 
@@ -174,7 +173,7 @@ class DecodeBlocks:
 
     @staticmethod
     def available(int8_activations: bool) -> bool:
-        kernels = (_load_library(), _projection_kernel(int8_activations), load_decode_attention())
+        kernels = (_load_library(), fused_kernel(int8_activations), load_decode_attention())
         return all(kernel is not None for kernel in kernels)
 
     def run(
@@ -212,8 +211,7 @@ class DecodeBlocks:
         step = _Step(
             rows, torch.get_num_threads(), RMS_NORM, SILU_GATE, self.cos_sin.data_ptr(), positions.data_ptr(),
             arrays.slots.data_ptr(), arrays.tables.data_ptr(), arrays.tables.shape[1],
-            arrays.seq_lens.data_ptr(), self._linear_pointer(),
-            ctypes.cast(load_decode_attention().decode_attention, _P).value,  # type: ignore[union-attr]
+            arrays.seq_lens.data_ptr(), self._linear, self._attend,
             *(tensor.data_ptr() for tensor in scratch.values()), (_P * 2)(*(h.data_ptr() for h in hidden)),
         )  # fmt: skip
         embeddings = embeddings.contiguous()
@@ -229,13 +227,6 @@ class DecodeBlocks:
         if status != 0:
             raise RuntimeError(f"the C decode blocks failed with status {status}")
         return hidden[(len(self.blocks) - 1) % 2], residual
-
-    def _linear_pointer(self) -> int | None:
-        """The projection function the loop calls: the one the layers' fused path calls."""
-        library = _projection_kernel(self.int8_activations)
-        assert library is not None
-        function = library.gguf_linear_int8 if self.int8_activations else library.gguf_linear_prologue
-        return ctypes.cast(function, _P).value
 
     def _bind(self, caches: Any) -> Any:
         """The blocks' structures, rebuilt when the KV pools they point into are not the ones bound."""

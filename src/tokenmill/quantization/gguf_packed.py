@@ -43,6 +43,15 @@ DEQUANTIZED_MIN_ROWS = 32
 _DEQUANTIZED_SLICE = 1 << 22  # float32 weights formed at a time (16 MiB)
 
 
+def fused_kernel(int8_activations: bool) -> Any | None:
+    """The C function with ``gguf_prologue.py``'s calling convention: inputs rounded to int8
+    (``gguf_linear_int8``) or kept float32 (``gguf_linear_prologue``); None where it is not built."""
+    library = load_int8_kernel() if int8_activations else load_kernel()
+    if library is None:
+        return None
+    return library.gguf_linear_int8 if int8_activations else library.gguf_linear_prologue
+
+
 @dataclass(frozen=True, eq=False)
 class PackedWeight:
     """A ``[out_features, in_features]`` weight as GGUF codes with per-group factors: 4-bit codes two per
@@ -87,15 +96,14 @@ class PackedWeight:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features; the weight takes {self.in_features}")
         rows = x.reshape(-1, self.in_features).float().contiguous()
-        int8_library = load_int8_kernel() if int8_activations else None
+        int8_function = fused_kernel(True) if int8_activations else None
         library = load_kernel()
         if library is None:  # no compiler: the same weights, through a float32 copy made per call
             out = F.linear(rows, self.dequantize())
         elif rows.shape[0] >= DEQUANTIZED_MIN_ROWS:
             out = self._dequantized_linear(library, rows)
-        elif int8_library is not None:
-            kernel = int8_library.gguf_linear_int8
-            out, _ = run_fused(kernel, rows, self.codes, self.scale, self.offset, self.group)
+        elif int8_function is not None:
+            out, _ = run_fused(int8_function, rows, self.codes, self.scale, self.offset, self.group)
         else:
             out = run_kernel(library, rows, self.codes, self.scale, self.offset, self.group)
         if bias is not None:
@@ -113,10 +121,9 @@ class PackedWeight:
         for a gate) in one C call (``gguf_prologue.py``), the inputs rounded to int8 with
         ``int8_activations``, and for a norm ``x + residual``; None where that kernel is not built or the
         call has ``DEQUANTIZED_MIN_ROWS`` rows or more (the caller runs the prologue and :meth:`linear`)."""
-        library = load_int8_kernel() if int8_activations else load_kernel()
-        if library is None or x.numel() >= DEQUANTIZED_MIN_ROWS * x.shape[-1]:
+        function = fused_kernel(int8_activations)
+        if function is None or x.numel() >= DEQUANTIZED_MIN_ROWS * x.shape[-1]:
             return None
-        function = library.gguf_linear_int8 if int8_activations else library.gguf_linear_prologue
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         out, total = run_fused(function, rows, self.codes, self.scale, self.offset, self.group, prologue)
         if bias is not None:
