@@ -109,6 +109,23 @@ def test_wide_float8_projections_default_to_the_tensor_cores(weight_dtype: torch
     _close(gemv(x, weight, weight_scale=scale), x.float() @ dequantized(weight, scale).t())
 
 
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_every_8bit_code_converts_exactly(weight_dtype: torch.dtype) -> None:
+    """The GEMV forms each 8-bit weight in float32 by integer and bit operations (``as_float32`` in
+    kernels/gemv_tiles.py), not conversion instructions: every one of the 256 codes (e4m3's two NaNs
+    excepted) must come out as PyTorch's conversion of it. One-hot inputs pick out one column at a time; a
+    power-of-two scale and a float32 output keep the products exact."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if weight_dtype == torch.float8_e4m3fn:
+        codes[(codes & 0x7F) == 0x7F] = 0
+    weight = codes.view(torch.int8).view(weight_dtype).reshape(4, 64).to(DEVICE)
+    expected = weight.float().t()  # [64 inputs, 4 outputs]
+    scale = torch.full((4,), 0.5, device=DEVICE)
+    one_hot = torch.eye(64, device=DEVICE, dtype=torch.float32)
+    out = torch.cat([gemv(one_hot[k : k + 1], weight, weight_scale=scale) for k in range(64)])
+    assert torch.equal(out, expected * 0.5)
+
+
 def test_gemv_refuses_an_8bit_weight_without_its_scale() -> None:
     x = torch.randn(1, 16, device=DEVICE)
     weight = torch.zeros(8, 16, device=DEVICE, dtype=torch.int8)
