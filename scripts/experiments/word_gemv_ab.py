@@ -24,20 +24,30 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 # Applied to kernels/gemv.py's source in the child process (``gemv.GROUP`` then picks the group size).
 GROUP_EDITS = (
-    ("    block_k: tl.constexpr,\n    pdl: tl.constexpr,\n) -> None:",
-     "    block_k: tl.constexpr,\n    group: tl.constexpr,\n    pdl: tl.constexpr,\n) -> None:"),
-    ("products = tl.zeros([block_n, block_k], tl.float32)",
-     "products = tl.zeros([block_n, block_k // group], tl.float32)"),
-    ("products += as_float32(weight) * x[None, :]",
-     "products += tl.sum(tl.reshape(as_float32(weight) * x[None, :], [block_n, block_k // group, group]), axis=2)"),
-    ("        block_k=config.block_k,\n        pdl=pdl,",
-     "        block_k=config.block_k,\n        group=min(GROUP, config.block_k) if weight.element_size() == 1 else 1,\n        pdl=pdl,"),
+    (
+        "    block_k: tl.constexpr,\n    pdl: tl.constexpr,\n) -> None:",
+        "    block_k: tl.constexpr,\n    group: tl.constexpr,\n    pdl: tl.constexpr,\n) -> None:",
+    ),
+    (
+        "products = tl.zeros([block_n, block_k], tl.float32)",
+        "products = tl.zeros([block_n, block_k // group], tl.float32)",
+    ),
+    (
+        "products += as_float32(weight) * x[None, :]",
+        "products += tl.sum(tl.reshape(as_float32(weight) * x[None, :], [block_n, block_k // group, group]), axis=2)",
+    ),
+    (
+        "        block_k=config.block_k,\n        pdl=pdl,",
+        "        block_k=config.block_k,\n        group=min(GROUP, config.block_k) if weight.element_size() == 1 else 1,\n        pdl=pdl,",
+    ),
 )
 WORD_EDITS = (
-    ("    _gemv_kernel[(",
-     "    if WORDS and weight_scale is not None and reads_words(weight):\n"
-     "        launch_word_gemv(x, weight, weight_scale, bias, out, config[:4], prologue, in_features, pdl, residual, norm_weight, new_residual, eps, unit_offset)\n"
-     "        return out, new_residual\n    _gemv_kernel[("),
+    (
+        "    _gemv_kernel[(",
+        "    if WORDS and weight_scale is not None and reads_words(weight):\n"
+        "        launch_word_gemv(x, weight, weight_scale, bias, out, config[:4], prologue, in_features, pdl, residual, norm_weight, new_residual, eps, unit_offset)\n"
+        "        return out, new_residual\n    _gemv_kernel[(",
+    ),
 )
 PATCH = f"""
 import pathlib, sys, importlib.util
@@ -146,7 +156,9 @@ VARIANTS = {
 
 def main(argv: list[str]) -> None:
     if "kernels" in argv:
-        result = subprocess.run([sys.executable, "-c", "import json\n" + PATCH + KERNELS], text=True, timeout=400)
+        result = subprocess.run(
+            [sys.executable, "-c", "import json\n" + PATCH + KERNELS], text=True, timeout=400
+        )
         print("kernels exit", result.returncode, flush=True)
     if "engine" in argv:
         names = [a for a in argv if a in VARIANTS] or list(VARIANTS)
