@@ -6,4 +6,5 @@ PYTHON=${PYTHON:-python3}
 "$PYTHON" -m ruff check src tests
 "$PYTHON" -m ruff format --check src tests
 "$PYTHON" -m mypy
-"$PYTHON" -m pytest -q "$@"
+# Two worker processes (TEST_WORKERS to change; 0 runs in this process); idle ones steal queued tests.
+"$PYTHON" -m pytest -q -n "${TEST_WORKERS:-2}" --dist worksteal "$@"

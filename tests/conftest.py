@@ -11,6 +11,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (scripts/check.sh runs two workers) each worker gets its share of the cores, so that
+# two processes' OpenMP pools do not fight over them; subprocesses the tests start inherit the share.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
 # The quick subset is ``pytest -m "not slow"``. Marked slow: every test that loads a real pretrained model
 # (through the fixtures below), and these, each of which took more than 2 s on 2 cores (--durations).
 REAL_MODEL_FIXTURES = frozenset({"smollm2", "gemma3", "smollm2_gguf_path", "gemma3_gguf_path"})
