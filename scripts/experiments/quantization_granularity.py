@@ -3,7 +3,7 @@ the accuracy targets? Loads the float32 model, rounds every projection weight (n
 head) through each variant in place (quantize, then dequantize: the values a weight-only kernel would
 use), and scores the same teacher-forced text as `tokenmill bench accuracy` (score_text, windows of 1024).
 
-    python scripts/experiments/quantization_granularity.py gemma3-270m 4096
+    python scripts/experiments/quantization_granularity.py gemma3-270m 4096 [LABEL-SUBSTRING]
 """
 
 import sys
@@ -30,6 +30,23 @@ def rounded_in_groups(weight: torch.Tensor, group: int, kind: str) -> torch.Tens
     return ((grouped / scale).to(FP8_DTYPE).float() * scale).reshape(rows, columns)
 
 
+def int8_clipped(weight: torch.Tensor, ratios: int = 40, lowest: float = 0.6) -> torch.Tensor:
+    """``weight`` through symmetric int8 with one scale per row, each row's scale the one of ``ratios``
+    clipping levels (``lowest`` to 1 times the row's absolute max) with the least squared rounding error:
+    the format the engine's kernels read, only the scale chosen differently."""
+    amax = weight.abs().amax(1, keepdim=True).clamp(min=1e-12)
+    best = torch.full_like(amax, float("inf"))
+    out = weight.clone()
+    for ratio in torch.linspace(lowest, 1.0, ratios).tolist():
+        scale = amax * ratio / 127
+        rounded = (weight / scale).round().clamp(-127, 127) * scale
+        error = (rounded - weight).pow(2).sum(1, keepdim=True)
+        better = error < best
+        best = torch.where(better, error, best)
+        out = torch.where(better, rounded, out)
+    return out
+
+
 def fp8_blocks(weight: torch.Tensor) -> torch.Tensor:
     return dequantize_fp8_blocks(*quantize_fp8_blocks(weight, (128, 128)), (128, 128), torch.float32)
 
@@ -41,10 +58,11 @@ VARIANTS: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = [
     ("fp8 groups of 64", lambda w: rounded_in_groups(w, 64, "fp8")),
     ("int8 per-channel", lambda w: rounded_in_groups(w, w.shape[1], "int8")),
     ("int8 groups of 128", lambda w: rounded_in_groups(w, 128, "int8")),
+    ("int8 per-channel, scale clipped for least squared error", int8_clipped),
 ]
 
 
-def main(model_name: str, num_tokens: int) -> None:
+def main(model_name: str, num_tokens: int, only: str = "") -> None:
     torch.set_num_threads(2)
     loaded = load_model(model_name, device="cpu", dtype="float32", quantization="none")
     assert loaded.tokenizer is not None
@@ -57,6 +75,8 @@ def main(model_name: str, num_tokens: int) -> None:
         if p.dim() == 2 and "embed" not in name
     }
     for label, rounded in VARIANTS:
+        if only and only not in label:
+            continue
         for name, parameter in loaded.model.named_parameters():
             if name in originals:
                 parameter.data.copy_(rounded(originals[name]))
@@ -71,4 +91,4 @@ def main(model_name: str, num_tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])
