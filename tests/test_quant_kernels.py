@@ -92,15 +92,14 @@ def test_fused_gemvs_read_8bit_weights(weight_dtype: torch.dtype, config: GemvCo
 
 
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
-def test_wide_float8_projections_default_to_the_tensor_cores(weight_dtype: torch.dtype) -> None:
-    """At the width of a gate/up projection e4m3 weights default to the tensor-core kernel (int8 ones,
-    slower there in the engine, and narrower projections stay on the CUDA cores); either way the result
-    is the reference's."""
+def test_wide_8bit_projections_default_to_the_tensor_cores(weight_dtype: torch.dtype) -> None:
+    """At the width of a gate/up projection 8-bit weights default to the tensor-core kernel (narrower
+    projections stay on the CUDA cores); either way the result is the reference's."""
     from tokenmill.kernels.gemv import TENSOR_CORE_MIN_FEATURES, default_gemv_config
 
-    float8 = weight_dtype == torch.float8_e4m3fn
-    assert default_gemv_config(TENSOR_CORE_MIN_FEATURES, 64, 1, float8).tensor_cores == float8
-    assert not default_gemv_config(TENSOR_CORE_MIN_FEATURES - 1, 64, 1, float8).tensor_cores
+    assert default_gemv_config(TENSOR_CORE_MIN_FEATURES, 64, 1).tensor_cores
+    assert not default_gemv_config(TENSOR_CORE_MIN_FEATURES - 1, 64, 1).tensor_cores
+    assert not default_gemv_config(TENSOR_CORE_MIN_FEATURES, 64, 2).tensor_cores
     torch.manual_seed(3)
     x = torch.randn(1, 64, device=DEVICE, dtype=ACT_DTYPE)
     weight, scale = quantize_per_channel(

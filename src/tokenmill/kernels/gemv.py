@@ -46,7 +46,7 @@ GEMV_MIN_PROGRAMS = 1024  # about 8 per SM of an H200 (132 SMs)
 QUANTIZED_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
-TENSOR_CORE_MIN_FEATURES = 16384  # e4m3 weights of at least this many rows go to the tensor cores
+TENSOR_CORE_MIN_FEATURES = 16384  # 8-bit weights of at least this many rows go to the tensor cores
 
 
 class GemvConfig(NamedTuple):
@@ -55,18 +55,16 @@ class GemvConfig(NamedTuple):
     num_warps: int
     num_stages: int
     tensor_cores: bool = False  # 8-bit weights through kernels/gemv_tensor_core.py (no gated prologue)
+    max_registers: int | None = None  # per thread on the GPU (``maxnreg``; the rest spills), for occupancy
 
 
-def default_gemv_config(
-    out_features: int, in_features: int, weight_bytes: int = 2, float8: bool = False
-) -> GemvConfig:
+def default_gemv_config(out_features: int, in_features: int, weight_bytes: int = 2) -> GemvConfig:
     """From H200 sweeps at Llama-3.2-1B's shapes (``tokenmill bench kernels --gemv-sweep``, then batch-1
     decode in the engine with PDL): long contiguous row segments, 8 warps on long rows; as many rows
     per program (2, 4 or 8) as still leave ``GEMV_MIN_PROGRAMS`` programs (in the engine, 8 rows for
-    gate/up and the LM head and 2 for q/k/v were each 1-4% faster than 4). ``float8`` (e4m3 weights): the
-    widest projections go to the tensor cores (batch-1 decode of Llama-3.1-8B on the H200, same run: fp8
-    271.4 -> 291.1 tok/s; int8 319.2 -> 309.8 there, so int8 stays on the CUDA cores)."""
-    if float8 and out_features >= TENSOR_CORE_MIN_FEATURES:
+    gate/up and the LM head and 2 for q/k/v were each 1-4% faster than 4). 8-bit weights (int8 or e4m3):
+    the widest projections go to the tensor cores."""
+    if weight_bytes == 1 and out_features >= TENSOR_CORE_MIN_FEATURES:
         return _one_byte_tensor_core_config(out_features)
     if weight_bytes == 1:
         return _one_byte_config(out_features, in_features)
@@ -80,14 +78,21 @@ def _one_byte_config(out_features: int, in_features: int) -> GemvConfig:
     """8-bit weights, from H200 sweeps at Llama-3.1-8B's shapes with each prologue (block_n 4-16, block_k
     1024-2048, 4 or 8 warps): 8 rows of 1024 columns, 4 warps, two stages. More rows per program than
     for bfloat16 spread the prologue's work (the gated activation is recomputed by every program) over
-    more weight bytes: down_proj's took 21 µs at 8 rows, 33 µs at 4."""
-    return GemvConfig(8, min(1024, next_power_of_2(in_features)), 4, 2)
+    more weight bytes: down_proj's took 21 µs at 8 rows, 33 µs at 4. At most 128 registers: Triton 3.6
+    gives the kernel 164 (Nsight Compute, gate/up), three programs per SM issuing on 56% of cycles; at
+    128 four fit (batch-1 decode of Llama-3.1-8B int8 on the H200, same run: 348.0 -> 352.3 tok/s)."""
+    return GemvConfig(8, min(1024, next_power_of_2(in_features)), 4, 2, max_registers=128)
 
 
 def _one_byte_tensor_core_config(out_features: int) -> GemvConfig:
-    """The widest 8-bit projections on the tensor cores (near the best of an H200 sweep at Llama-3.1-8B's
-    shapes: 128 rows of 256 columns for gate/up, 32-64 rows for the LM head, 4 warps, three stages)."""
-    return GemvConfig(128 if out_features < 4 * TENSOR_CORE_MIN_FEATURES else 64, 256, 4, 3, True)
+    """The widest 8-bit projections on the tensor cores: 128 rows of 256 columns, four stages for gate/up,
+    64 rows and three stages for the LM head (H200 sweep at Llama-3.1-8B's shapes, weights streamed from
+    memory: gate/up int8 44.1 µs on the CUDA cores, 45.9 at three stages, 37.4 at four; e4m3 43.6 -> 35.9;
+    LM head int8 160.1 -> 140.4. Batch-1 decode, same run: int8 318.4 -> 348.0, fp8 292.3 -> 321.1
+    tok/s; reports/gpu/quantized-llama-3.1-8b/gemv-occupancy/README.md)."""
+    if out_features < 4 * TENSOR_CORE_MIN_FEATURES:
+        return GemvConfig(128, 256, 4, 4, True)
+    return GemvConfig(64, 256, 4, 3, True)
 
 
 @triton.jit
@@ -252,8 +257,7 @@ def _launch(
     new_residual = torch.empty_like(x) if residual is not None else None
     if num_rows == 0:
         return out, new_residual
-    float8 = weight.dtype == torch.float8_e4m3fn
-    config = config or default_gemv_config(out_features, in_features, weight.element_size(), float8)
+    config = config or default_gemv_config(out_features, in_features, weight.element_size())
     if config.tensor_cores and prologue in (PLAIN, RMS_NORM, ADD_RMS_NORM):
         if weight_scale is None:
             raise ValueError("the tensor-core GEMV takes 8-bit weights (with their weight_scale) only")
@@ -285,8 +289,14 @@ def _launch(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
+        **_register_limit(config, x),
     )
     return out, new_residual
+
+
+def _register_limit(config: GemvConfig, x: torch.Tensor) -> dict[str, int]:
+    """``maxnreg`` for a compiled launch (the CPU interpreter knows no registers)."""
+    return {"maxnreg": config.max_registers} if config.max_registers and x.is_cuda else {}
 
 
 def _check_weight_dtype(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:

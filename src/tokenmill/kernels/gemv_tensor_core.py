@@ -1,21 +1,20 @@
 """One-row projections of 8-bit weights on the tensor cores, for the widest outputs (gate/up, the LM head);
-the default for e4m3 weights (``kernels/gemv.py``'s ``default_gemv_config``).
+the default there for int8 and e4m3 weights (``kernels/gemv.py``'s ``default_gemv_config``).
 
 The CUDA-core GEMV (``kernels/gemv.py``) converts each int8 / e4m3 weight to float32 and multiply-adds it:
 per byte of weight that is twice the instructions of a bfloat16 weight, and at one token per step the
-instruction issue, not the memory, bounds it (~3.1 TB/s on the H200 where bfloat16 streams ~4). Here the
-input row is broadcast to a 16-row tile and each ``[block_n, block_k]`` weight tile, converted to the
+instruction issue, not the memory, bounds it (~2.7-3.3 TB/s on the H200 where bfloat16 streams ~4). Here
+the input row is broadcast to a 16-row tile and each ``[block_n, block_k]`` weight tile, converted to the
 input's dtype in registers, goes through ``tl.dot``: the tensor cores do the multiply-adds, and the
 conversion is all the arithmetic left (for bfloat16 inputs a few packed bit operations per four weights,
 below). Every row of the product holds the same sums; row 0 is kept. The prologues (RMSNorm with the
 residual add) are computed as the CUDA-core kernel computes them (``kernels/gemv_tiles.py``), rounded to
-the input dtype before the product. Measured on the H200 at Llama-3.1-8B's shapes (reports/gpu/
-quantized-llama-3.1-8b/tensor-core-gemv/README.md): gate/up 37.0 -> 31.7 µs (int8) and 44.3 -> 31.5 µs
-(fp8), the LM head 152.4 -> 123.3 µs and 184.3 -> 123.8 µs. Narrower outputs (q/k/v, o, down) gain only
-with a split over the input features (not built: q/k/v's norm prologue needs the whole row) and stay on
-the CUDA cores. In the engine (batch-1 decode, same run) fp8 went 271.4 -> 291.1 tok/s, but int8 319.2
--> 309.8: with the norm prologue int8's CUDA-core kernel, whose conversion is cheaper than e4m3's, is the
-faster one there.
+the input dtype before the product. Measured on the H200 at Llama-3.1-8B's shapes, weights streamed from
+memory (reports/gpu/quantized-llama-3.1-8b/gemv-occupancy/README.md): gate/up 44.1 -> 37.4 µs (int8)
+and 43.6 -> 35.9 µs (e4m3) at four pipeline stages (at three: 45.9 / 43.8), the LM head 160.1 -> 140.4
+µs (int8). Narrower outputs (q/k/v, o, down) are slower here at every tile tried (block_n 16-128,
+block_k 256-512: too few programs, or too little per program) and stay on the CUDA cores; a split over
+the input features would be needed (not built: q/k/v's norm prologue needs the whole row).
 """
 
 import torch

@@ -1,0 +1,70 @@
+"""Exploration for issue 18 on an H100/H200: batch-1 decode of dummy llama-3.1-8b (128-token prompt, 160
+tokens, median of 3, each variant in a fresh process) with the 8-bit GEMV routing that
+``gemv_occupancy_sweep.py`` suggests, against the defaults:
+
+* ``tc4``: gate/up on the tensor-core GEMV with four pipeline stages instead of three (int8: gate/up and
+  the LM head moved there from the CUDA cores);
+* ``maxnreg128``: the CUDA-core GEMV of 8-bit weights compiled with at most 128 registers.
+
+    PYTHONPATH=src python scripts/experiments/gemv_engine_ab.py [VARIANT ...]
+"""
+
+import json
+import subprocess
+import sys
+
+ENGINE = r"""
+import sys, time, statistics, json, os
+import torch
+from tokenmill.kernels import gemv
+cfg = json.loads(sys.argv[1])
+if cfg.get("tc_stages"):
+    original_config = gemv.default_gemv_config
+    def routed(out_features, in_features, weight_bytes=2, float8=False):
+        if weight_bytes == 1 and out_features >= gemv.TENSOR_CORE_MIN_FEATURES:
+            rows = 128 if out_features < 4 * gemv.TENSOR_CORE_MIN_FEATURES else 64
+            return gemv.GemvConfig(rows, 256, 4, cfg["tc_stages"] if rows == 128 else 3, True)
+        return original_config(out_features, in_features, weight_bytes, float8)
+    gemv.default_gemv_config = routed
+if cfg.get("maxnreg"):
+    original_options = gemv.launch_options
+    gemv.launch_options = lambda pdl: {**original_options(pdl), "maxnreg": cfg["maxnreg"]}
+from tokenmill import LLM, SamplingParams
+llm = LLM(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16", quantization=cfg["quantization"],
+          max_model_len=512)
+ids = list(range(1000, 1128))
+llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True))
+def run(n):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    torch.cuda.synchronize(); return time.perf_counter() - t
+rates = []
+for _ in range(3):
+    a = run(1); b = run(161)
+    rates.append(160 / (b - a))
+print("RESULT", sys.argv[1], f"{statistics.median(rates):.1f} tok/s", [round(r, 1) for r in rates], flush=True)
+"""
+
+VARIANTS = {
+    "int8": {"quantization": "int8"},
+    "int8-tc4": {"quantization": "int8", "tc_stages": 4},
+    "int8-tc4-maxnreg128": {"quantization": "int8", "tc_stages": 4, "maxnreg": 128},
+    "fp8": {"quantization": "fp8"},
+    "fp8-tc4": {"quantization": "fp8", "tc_stages": 4},
+}
+
+
+def main(argv: list[str]) -> None:
+    for name in [a for a in argv if a in VARIANTS] or list(VARIANTS):
+        r = subprocess.run(
+            [sys.executable, "-c", ENGINE, json.dumps(VARIANTS[name])],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT")]
+        print(name, lines[0] if lines else f"FAILED: {r.stderr[-1500:]}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
