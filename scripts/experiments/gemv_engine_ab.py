@@ -4,7 +4,8 @@ tokens, median of 3, each variant in a fresh process) with the 8-bit GEMV routin
 
 * ``tc4``: gate/up on the tensor-core GEMV with four pipeline stages instead of three (int8: gate/up and
   the LM head moved there from the CUDA cores);
-* ``maxnreg128``: the CUDA-core GEMV of 8-bit weights compiled with at most 128 registers.
+* ``maxnreg128``: the CUDA-core GEMV of 8-bit weights compiled with at most 128 registers (from 9f2116b
+  the default: ``no-maxnreg`` lifts it, ``maxnreg-skip-norm`` lifts it for the RMSNorm prologues only).
 
     PYTHONPATH=src python scripts/experiments/gemv_engine_ab.py [VARIANT ...]
 """
@@ -29,6 +30,15 @@ if cfg.get("tc_stages"):
 if cfg.get("maxnreg"):
     original_options = gemv.launch_options
     gemv.launch_options = lambda pdl: {**original_options(pdl), "maxnreg": cfg["maxnreg"]}
+if cfg.get("no_maxnreg"):
+    gemv._register_limit = lambda config, x: {}
+if cfg.get("maxnreg_skip_norm"):
+    original_launch = gemv._launch
+    def launch(x, weight, bias, prologue, in_features, config, *args, **kwargs):
+        if config is None and prologue in (gemv.RMS_NORM, gemv.ADD_RMS_NORM) and weight.element_size() == 1:
+            config = gemv.default_gemv_config(weight.shape[0], in_features, 1)._replace(max_registers=None)
+        return original_launch(x, weight, bias, prologue, in_features, config, *args, **kwargs)
+    gemv._launch = launch
 from tokenmill import LLM, SamplingParams
 llm = LLM(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16", quantization=cfg["quantization"],
           max_model_len=512)
@@ -51,6 +61,10 @@ VARIANTS = {
     "int8-tc4-maxnreg128": {"quantization": "int8", "tc_stages": 4, "maxnreg": 128},
     "fp8": {"quantization": "fp8"},
     "fp8-tc4": {"quantization": "fp8", "tc_stages": 4},
+    "int8-no-maxnreg": {"quantization": "int8", "no_maxnreg": True},
+    "int8-maxnreg-skip-norm": {"quantization": "int8", "maxnreg_skip_norm": True},
+    "fp8-no-maxnreg": {"quantization": "fp8", "no_maxnreg": True},
+    "fp8-maxnreg-skip-norm": {"quantization": "fp8", "maxnreg_skip_norm": True},
 }
 
 

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
 from tokenmill.kernels.gemv_tensor_core import launch_tensor_core_gemv
-from tokenmill.kernels.gemv_tiles import as_float32, input_tile, weight_tile
+from tokenmill.kernels.gemv_tiles import as_float32, float32_factor, input_tile, weight_tile
 from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 from tokenmill.kernels.options import GEMV_MAX_ROWS as MAX_ROWS
 
@@ -143,7 +143,7 @@ def _gemv_kernel(
         products += as_float32(weight) * x[None, :]
         squares += x_squares
         weight = weight_tile(weight_rows, feature_ok, start + block_k, in_features, block_k)
-    out = tl.sum(products, axis=1)
+    out = tl.sum(products, axis=1) * float32_factor(weight_ptr.dtype.element_ty)
     if has_weight_scale:
         out *= tl.load(weight_scale_ptr + features, mask=feature_ok, other=0.0)
     if prologue == 1 or prologue == 2:
