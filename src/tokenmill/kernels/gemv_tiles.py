@@ -50,7 +50,7 @@ def input_tile(
 @triton.jit
 def as_float32(weight: tl.tensor) -> tl.tensor:
     """The weight tile in float32, for e4m3 weights times ``2**-120`` (a sum of their products is multiplied
-    by :func:`float32_factor` once). 8-bit weights convert through integer and float adds, not the
+    by :func:`float32_factor` once). 8-bit weights convert through integer and float operations, not the
     conversion instructions, which run at 16 per clock per SM on Hopper, below the ~18 bytes per clock per
     SM the memory delivers (on the H200 this took the int8 GEMV from 3.0 to 3.1 TB/s on gate/up and from
     9.7 to 8.7 µs on q/k/v of Llama-3.1-8B; the 8-bit GEMV stays below bfloat16's 4 TB/s all the same).
