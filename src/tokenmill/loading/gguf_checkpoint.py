@@ -385,13 +385,12 @@ class GGUFCheckpoint(Checkpoint):
     def tokenizer(self) -> "Tokenizer | None":
         if "tokenizer.ggml.model" not in self.file.metadata:
             return None
-        from transformers import AutoTokenizer
-
+        from tokenmill.loading.gguf_tokenizer import gguf_hf_tokenizer
         from tokenmill.tokenizer import Tokenizer
         from tokenmill.tokenizer.chat_templates import FALLBACK_CHAT_TEMPLATES
 
         try:
-            hf_tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+            hf_tokenizer = gguf_hf_tokenizer(self.path)
         except Exception as exc:  # transformers raises many kinds; all mean the vocabulary cannot be used
             raise self.meta.error(f"transformers cannot build a tokenizer from this file: {exc}") from None
         template = self.meta.get("tokenizer.chat_template")
