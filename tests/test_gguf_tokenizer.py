@@ -56,10 +56,13 @@ def test_a_gguf_tokenizer_is_converted_once_and_read_back_identically(
 
 
 def test_an_unwritable_cache_still_gives_the_tokenizer(
-    smollm2_gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2_gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    blocker = tmp_path / "file"
+    blocker = tmp_path / "file"  # a file where the cache's parent folder would be
     blocker.write_text("")
     monkeypatch.setattr(gguf_tokenizer, "cache_root", lambda: blocker / "tokenizers")
-    tokenizer = gguf_hf_tokenizer(smollm2_gguf_path)
-    assert tokenizer("Hello world")["input_ids"]
+    with caplog.at_level("WARNING", logger=gguf_tokenizer.__name__):
+        tokenizer = gguf_hf_tokenizer(smollm2_gguf_path)
+    assert tokenizer.decode(tokenizer("Hello world")["input_ids"]) == "Hello world"
+    assert "not writable" in caplog.text
+    assert blocker.read_text() == ""

@@ -11,12 +11,15 @@ tokens, median of 3, each variant in a fresh process) with the 8-bit GEMV routin
 """
 
 import json
+import pathlib
 import subprocess
 import sys
 
+HERE = pathlib.Path(__file__).resolve().parent
+
 ENGINE = r"""
-import sys, time, statistics, json, os
-import torch
+import sys, json
+sys.path.insert(0, HERE)
 from tokenmill.kernels import gemv
 cfg = json.loads(sys.argv[1])
 if cfg.get("tc_stages"):
@@ -39,20 +42,12 @@ if cfg.get("maxnreg_skip_norm"):
             config = gemv.default_gemv_config(weight.shape[0], in_features, 1)._replace(max_registers=None)
         return original_launch(x, weight, bias, prologue, in_features, config, *args, **kwargs)
     gemv._launch = launch
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
+from decode_rate import decode_rate
 llm = LLM(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16", quantization=cfg["quantization"],
           max_model_len=512)
-ids = list(range(1000, 1128))
-llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True))
-def run(n):
-    torch.cuda.synchronize(); t = time.perf_counter()
-    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    torch.cuda.synchronize(); return time.perf_counter() - t
-rates = []
-for _ in range(3):
-    a = run(1); b = run(161)
-    rates.append(160 / (b - a))
-print("RESULT", sys.argv[1], f"{statistics.median(rates):.1f} tok/s", [round(r, 1) for r in rates], flush=True)
+rate, rates = decode_rate(llm)
+print("RESULT", sys.argv[1], f"{rate:.1f} tok/s", [round(r, 1) for r in rates], flush=True)
 """
 
 VARIANTS = {
@@ -71,7 +66,7 @@ VARIANTS = {
 def main(argv: list[str]) -> None:
     for name in [a for a in argv if a in VARIANTS] or list(VARIANTS):
         r = subprocess.run(
-            [sys.executable, "-c", ENGINE, json.dumps(VARIANTS[name])],
+            [sys.executable, "-c", f"HERE = {str(HERE)!r}\n" + ENGINE, json.dumps(VARIANTS[name])],
             capture_output=True,
             text=True,
             timeout=240,

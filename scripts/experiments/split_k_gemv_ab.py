@@ -55,7 +55,7 @@ for dtype in (torch.int8, torch.float8_e4m3fn):
 """
 
 ENGINE = r"""
-import sys, time, statistics, json
+import sys, json
 import torch
 sys.path.insert(0, HERE)
 from tokenmill.kernels import gemv
@@ -79,21 +79,13 @@ def launch(x, weight, bias, prologue, in_features, config, pdl, residual=None, n
                            unit_offset, out_dtype, weight_scale)
 gemv._launch = launch
 from tokenmill import LLM, SamplingParams
+from decode_rate import decode_rate
 llm = LLM(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16", quantization=cfg["quantization"],
           max_model_len=512)
-ids = list(range(1000, 1128))
-params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
-first = llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids
-def run(n):
-    torch.cuda.synchronize(); t = time.perf_counter()
-    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    torch.cuda.synchronize(); return time.perf_counter() - t
-rates = []
-for _ in range(3):
-    a = run(1); b = run(161)
-    rates.append(160 / (b - a))
-print("RESULT", sys.argv[1], f"{statistics.median(rates):.1f} tok/s", [round(r, 1) for r in rates],
-      "tokens", first[:8], flush=True)
+params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+first = llm.generate([{"prompt_token_ids": list(range(1000, 1128))}], params)[0].outputs[0].token_ids
+rate, rates = decode_rate(llm)
+print("RESULT", sys.argv[1], f"{rate:.1f} tok/s", [round(r, 1) for r in rates], "tokens", list(first), flush=True)
 """
 
 

@@ -119,8 +119,7 @@ print("KERNELS", json.dumps(rows))
 """
 
 ENGINE = r"""
-import sys, time, statistics, json, os
-import torch
+import sys, json, os
 cfg = json.loads(sys.argv[1])
 gemv.GROUP = cfg.get("group", 1)
 gemv.WORDS = cfg.get("words", False)
@@ -128,20 +127,12 @@ if cfg.get("no_tensor_cores"):
     gemv.TENSOR_CORE_MIN_FEATURES = 1 << 30
 if "block" in cfg:
     gemv._one_byte_config = lambda out_features, in_features: gemv.GemvConfig(*cfg["block"])
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
+from decode_rate import decode_rate
 llm = LLM(model=os.environ.get("MODEL", "llama-3.1-8b"), load_format="dummy", dtype="bfloat16",
           quantization=cfg["quantization"], max_model_len=512)
-ids = list(range(1000, 1128))
-llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True))
-def run(n):
-    torch.cuda.synchronize(); t = time.perf_counter()
-    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    torch.cuda.synchronize(); return time.perf_counter() - t
-rates = []
-for _ in range(3):
-    a = run(1); b = run(161)
-    rates.append(160 / (b - a))
-print("RESULT", sys.argv[1], f"{statistics.median(rates):.1f} tok/s", [round(r, 1) for r in rates], flush=True)
+rate, rates = decode_rate(llm)
+print("RESULT", sys.argv[1], f"{rate:.1f} tok/s", [round(r, 1) for r in rates], flush=True)
 """
 
 VARIANTS = {

@@ -17,6 +17,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tokenmill.user_cache import tokenmill_cache_dir
+
 logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
@@ -27,10 +29,6 @@ def _cpu_features() -> str:
             return next((line for line in info if line.startswith(("flags", "Features"))), platform.machine())
     except OSError:
         return platform.machine()
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill" / "kernels"
 
 
 def _compiler() -> str | None:
@@ -57,7 +55,7 @@ def _build(source: str, flags: tuple[str, ...], target: Path) -> None:
 def compile_library(name: str, source: str, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
     """The library built from ``source`` (once per source, flags and CPU), or None where it cannot be."""
     digest = hashlib.sha256((source + " ".join(flags) + _cpu_features()).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{name}_{digest}.so"
+    target = tokenmill_cache_dir("kernels") / f"{name}_{digest}.so"
     try:
         if not target.is_file():
             _build(source, flags, target)

@@ -12,7 +12,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from tokenmill.loading import LoadedModel
+from tokenmill.user_cache import tokenmill_cache_dir
 
 
 @dataclass(frozen=True)
@@ -236,17 +236,7 @@ def default_report_dir(name: str) -> Path:
     root = os.environ.get(REPORT_DIR_ENV)
     if root:
         return Path(root).expanduser() / name
-    return user_cache_dir() / "tokenmill" / "reports" / name
-
-
-def user_cache_dir() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME")
-    if cache and Path(cache).is_absolute():
-        return Path(cache)
-    try:
-        return Path.home() / ".cache"
-    except RuntimeError:  # no home directory to be found
-        return Path(tempfile.gettempdir())
+    return tokenmill_cache_dir("reports") / name
 
 
 def report_dir(given: Path | None, name: str) -> Path:

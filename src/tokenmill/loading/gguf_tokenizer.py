@@ -12,17 +12,18 @@ converted as before.
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from tokenmill.user_cache import tokenmill_cache_dir
+
 logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill" / "tokenizers"
+    return tokenmill_cache_dir("tokenizers")
 
 
 def gguf_hf_tokenizer(path: Path) -> Any:
