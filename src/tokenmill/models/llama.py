@@ -133,7 +133,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_qkv(qkv)
-        return self.o_proj(self.attn(q, k, v, self.rotary_emb.pending(positions, self.attn.spec.head_dim)))
+        rotary = self.rotary_emb.pending(positions, self.attn.spec.head_dim)
+        return self.o_proj(self.attn(q, k, v, rotary, self.o_proj.weight))
 
 
 class QKNormAttention(LlamaAttention, FusableLayer):
