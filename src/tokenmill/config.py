@@ -159,14 +159,10 @@ class KernelConfig:
     # Hopper and later: launch the Triton kernels programmatically dependent, so each one starts (and
     # loads its weights) while the one before it finishes, and waits only for that one's results.
     programmatic_launch: bool | None = None
-    # Hopper and later, Triton attention: the decode attention kernel's programs pull the output
-    # projection's weight into L2 as they start (bulk prefetch), so at small batches, where attention
-    # leaves memory bandwidth idle, the projection after it reads its weight from L2.
-    l2_prefetch: bool | None = None
 
     def __post_init__(self) -> None:
         require_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton", "cpu"))
-        for name in (*FUSED_KERNEL_TOGGLES, "programmatic_launch", "l2_prefetch"):
+        for name in (*FUSED_KERNEL_TOGGLES, "programmatic_launch"):
             value = getattr(self, name)
             require(value is None or isinstance(value, bool), name, "None (auto), True or False", value)
         require(
@@ -174,12 +170,6 @@ class KernelConfig:
             "fused_decode_rotary_kv",
             f"off when attention_backend is {self.attention_backend!r} (part of the Triton decode kernel)",
             self.fused_decode_rotary_kv,
-        )
-        require(
-            not (self.l2_prefetch and self.attention_backend in ("torch", "cpu")),
-            "l2_prefetch",
-            f"off when attention_backend is {self.attention_backend!r} (part of the Triton decode kernel)",
-            self.l2_prefetch,
         )
 
 
@@ -325,7 +315,6 @@ PLAIN_PATH: dict[str, Any] = {
     "attention_backend": "torch",
     **dict.fromkeys(FUSED_KERNEL_TOGGLES, False),
     "programmatic_launch": False,
-    "l2_prefetch": False,
     "cuda_graphs": False,
     "cuda_graph_logits": False,
     "cuda_graph_prefill": False,

@@ -94,8 +94,6 @@ OPTION_HELP: dict[str, str] = {
     "Triton",
     "programmatic_launch": "Hopper and later: launch the Triton kernels programmatically dependent (PDL); "
     "unset: on where supported",
-    "l2_prefetch": "Hopper and later, Triton attention: decode attention pulls the output projection's "
-    "weight into L2 while it leaves memory idle (small batches); unset: on where supported",
     # CUDA graphs
     "cuda_graphs": "replay pure-decode steps from captured CUDA graphs (cuda + triton attention only); "
     "unset: on with triton attention on cuda",

@@ -46,8 +46,6 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         kv_cache: KVCacheLayer | None,
         rotary: PendingRotary | None = None,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Rotate query and key (``rotary``), write the new K/V into ``kv_cache`` (when given) and attend
-        causally over each sequence. ``prefetch``: a tensor the kernel after attention reads (the output
-        projection's weight), a hint a backend may use to pull it into the GPU's L2 meanwhile."""
+        causally over each sequence."""

@@ -64,10 +64,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         kv_cache: KVCacheLayer | None,
         rotary: PendingRotary | None = None,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not runs_in_c(query, key, value, metadata, kv_cache):
-            return super().forward(layer, query, key, value, metadata, kv_cache, rotary)  # no prefetch here
+            return super().forward(layer, query, key, value, metadata, kv_cache, rotary)
         assert kv_cache is not None
         table = rotary.cos_sin_cache if rotary is not None else None
         if rotary is not None and (table is None or table.dtype != torch.float32):

@@ -43,9 +43,8 @@ def attention(
     key: torch.Tensor,
     value: torch.Tensor,
     rotary: PendingRotary | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The call model code makes: dispatches to the backend and KV cache of the current forward context."""
     ctx = get_forward_context()
     kv_cache = ctx.kv_caches[layer.layer_idx] if ctx.kv_caches is not None else None
-    return ctx.backend.forward(layer, query, key, value, ctx.metadata, kv_cache, rotary, prefetch)
+    return ctx.backend.forward(layer, query, key, value, ctx.metadata, kv_cache, rotary)

@@ -6,13 +6,13 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.torch_backend import TorchAttentionBackend
 from tokenmill.config import KernelConfig
 from tokenmill.kernels import triton_available
-from tokenmill.kernels.options import resolve_kernel_toggle, resolve_l2_prefetch
+from tokenmill.kernels.options import resolve_kernel_toggle
 
 
 def create_attention_backend(kernels: KernelConfig, device: torch.device, pdl: bool) -> AttentionBackend:
     """The PyTorch reference backend, the CPU one (its decode steps in C), or the paged Triton kernels
     (``pdl``: launched programmatically dependent; the fused decode step as ``fused_decode_rotary_kv``
-    resolves, the L2 prefetch as ``l2_prefetch``)."""
+    resolves)."""
     if kernels.attention_backend == "torch":
         return TorchAttentionBackend()
     if kernels.attention_backend == "cpu":
@@ -24,8 +24,7 @@ def create_attention_backend(kernels: KernelConfig, device: torch.device, pdl: b
     from tokenmill.attention.triton_backend import TritonAttentionBackend  # imports triton
 
     fused = resolve_kernel_toggle("decode_rotary_kv", kernels.fused_decode_rotary_kv, device)
-    prefetch = resolve_l2_prefetch(kernels.l2_prefetch, device)
-    return TritonAttentionBackend(pdl=pdl, fused_decode_rotary_kv=fused, l2_prefetch=prefetch)
+    return TritonAttentionBackend(pdl=pdl, fused_decode_rotary_kv=fused)
 
 
 def _cpu_backend(device: torch.device) -> AttentionBackend:

@@ -30,7 +30,6 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         kv_cache: KVCacheLayer | None,
         rotary: PendingRotary | None = None,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if rotary is not None:
             query, key = rotary.apply(query, key)

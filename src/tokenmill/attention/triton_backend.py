@@ -37,20 +37,16 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_config: PrefillConfig | None = None,
         pdl: bool = False,
         fused_decode_rotary_kv: bool = False,
-        l2_prefetch: bool = False,
     ) -> None:
         """The first three override the kernels' tile choices (for tuning and tests; None picks defaults);
         ``pdl`` launches the KV write and decode kernels programmatically dependent
         (``tokenmill.kernels.launch``); ``fused_decode_rotary_kv`` lets the decode kernel rotate q and the
-        new key and store the new K/V itself (no rotary and KV-write launches on decode steps);
-        ``l2_prefetch`` lets the decode kernel pull the ``prefetch`` tensor a layer passes (the output
-        projection's weight) into L2 (``tokenmill.kernels.l2_prefetch``, Hopper)."""
+        new key and store the new K/V itself (no rotary and KV-write launches on decode steps)."""
         self.decode_partition_size = decode_partition_size
         self.decode_config = decode_config
         self.prefill_config = prefill_config
         self.pdl = pdl
         self.fused_decode_rotary_kv = fused_decode_rotary_kv
-        self.l2_prefetch = l2_prefetch
         self._decode = self._decode_fused if fused_decode_rotary_kv else self._decode_separate
 
     def forward(
@@ -62,12 +58,10 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         kv_cache: KVCacheLayer | None,
         rotary: PendingRotary | None = None,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_head_dim(layer.head_dim)
         if kv_cache is not None and metadata.max_query_len == 1 and query.shape[0] == metadata.num_seqs:
-            prefetch = prefetch if self.l2_prefetch else None
-            return self._decode(layer, query, key, value, metadata, kv_cache, rotary, prefetch)
+            return self._decode(layer, query, key, value, metadata, kv_cache, rotary)
         if rotary is not None:
             query, key = rotary.apply(query, key)
         window = layer.sliding_window
@@ -106,7 +100,6 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         kv_cache: KVCacheLayer,
         rotary: PendingRotary | None,
-        prefetch: torch.Tensor | None,
     ) -> torch.Tensor:
         """One new token per sequence, one launch per layer: the decode kernel stores the new K/V, and
         rotates q and k on the way when the rotation covers the whole head (otherwise it is applied first)."""
@@ -117,9 +110,7 @@ class TritonAttentionBackend(AttentionBackend):
         elif rotary is not None:
             query, key = rotary.apply(query, key)
         new_tokens = NewTokens(key, value, slot_mapping)
-        return self._decode_attention(
-            layer, query, kv_cache, block_tables, metadata, new_tokens, rotation, prefetch
-        )
+        return self._decode_attention(layer, query, kv_cache, block_tables, metadata, new_tokens, rotation)
 
     def _decode_separate(
         self,
@@ -130,14 +121,13 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         kv_cache: KVCacheLayer,
         rotary: PendingRotary | None,
-        prefetch: torch.Tensor | None,
     ) -> torch.Tensor:
         """One new token per sequence: the rotary and KV-write kernels run before the decode kernel."""
         slot_mapping, block_tables = _require_paging(metadata)
         if rotary is not None:
             query, key = rotary.apply(query, key)
         write_kv(key, value, kv_cache.key, kv_cache.value, slot_mapping, self.pdl)
-        return self._decode_attention(layer, query, kv_cache, block_tables, metadata, None, None, prefetch)
+        return self._decode_attention(layer, query, kv_cache, block_tables, metadata, None, None)
 
     def _decode_attention(
         self,
@@ -148,7 +138,6 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         new_tokens: NewTokens | None,
         rotation: Rotation | None,
-        prefetch: torch.Tensor | None,
     ) -> torch.Tensor:
         return paged_decode_attention(
             query,
@@ -164,7 +153,6 @@ class TritonAttentionBackend(AttentionBackend):
             pdl=self.pdl,
             new_tokens=new_tokens,
             rotation=rotation,
-            prefetch=prefetch,
         )
 
 

@@ -125,12 +125,10 @@ def _resolve_kernels(config: EngineConfig, platform: Platform) -> KernelConfig:
     if backend in ("torch", "cpu"):
         toggles["fused_decode_rotary_kv"] = bool(kernels.fused_decode_rotary_kv)
     pdl = kernels.programmatic_launch
-    prefetch = kernels.l2_prefetch
     return replace(
         kernels,
         attention_backend=backend,
         programmatic_launch=platform.programmatic_launch if pdl is None else pdl,
-        l2_prefetch=platform.programmatic_launch and backend == "triton" if prefetch is None else prefetch,
         **toggles,
     )
 

@@ -97,22 +97,12 @@ def pdl_supported(device: torch.device | str) -> bool:
 
 
 def resolve_pdl(requested: bool | None, device: torch.device | str) -> bool:
-    return _resolve_hopper_feature("programmatic dependent launch", requested, device)
-
-
-def resolve_l2_prefetch(requested: bool | None, device: torch.device | str) -> bool:
-    """The decode attention kernel's bulk L2 prefetch of the next weight (``tokenmill.kernels.l2_prefetch``):
-    Hopper's instruction, so the same devices as PDL."""
-    return _resolve_hopper_feature("the L2 prefetch (cp.async.bulk.prefetch)", requested, device)
-
-
-def _resolve_hopper_feature(what: str, requested: bool | None, device: torch.device | str) -> bool:
     if requested is None:
         return pdl_supported(device)
     if requested and not pdl_supported(device):
         raise ValueError(
-            f"{what} needs compiled Triton kernels on a CUDA device of compute capability 9.0 or later "
-            f"(Hopper); it cannot run on {torch.device(device)} here"
+            "programmatic dependent launch needs compiled Triton kernels on a CUDA device of compute "
+            f"capability 9.0 or later (Hopper); it cannot run on {torch.device(device)} here"
         )
     return requested
 

@@ -76,7 +76,7 @@ class GPT2Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.c_attn(hidden).split(self.local_size, dim=-1)
-        return self.c_proj(self.attn(q, k, v, prefetch=self.c_proj.weight))
+        return self.c_proj(self.attn(q, k, v))
 
 
 class GPT2MLP(nn.Module):

@@ -133,8 +133,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_qkv(qkv)
-        rotary = self.rotary_emb.pending(positions, self.attn.spec.head_dim)
-        return self.o_proj(self.attn(q, k, v, rotary, self.o_proj.weight))
+        return self.o_proj(self.attn(q, k, v, self.rotary_emb.pending(positions, self.attn.spec.head_dim)))
 
 
 class QKNormAttention(LlamaAttention, FusableLayer):

@@ -38,14 +38,10 @@ from tokenmill.kernels.attention.tiles import (
     kv_offsets,
     load_kv_tile,
 )
-from tokenmill.kernels.l2_prefetch import prefetch_my_share
 from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 
-PREFETCH_PIECES = 1
-PREFETCH_AFTER_WAIT = False
 
-
-@triton.jit(do_not_specialize=["window", "min_partition", "max_unsplit", "num_splits", "prefetch_bytes"])
+@triton.jit(do_not_specialize=["window", "min_partition", "max_unsplit", "num_splits"])
 def _decode_kernel(
     query_ptr: tl.tensor,
     key_pool_ptr: tl.tensor,
@@ -62,8 +58,6 @@ def _decode_kernel(
     slot_mapping_ptr: tl.tensor,
     positions_ptr: tl.tensor,
     cos_sin_ptr: tl.tensor,
-    prefetch_ptr: tl.tensor,
-    prefetch_bytes: int,
     scale_log2: float,
     window: int,
     min_partition: int,
@@ -92,11 +86,6 @@ def _decode_kernel(
     split: tl.constexpr,
     write_new: tl.constexpr,  # the new token's K/V come in new_key/new_value and are stored here
     rotate: tl.constexpr,  # q and the new key still need their rotary embedding (needs write_new)
-    # programs with no keys pull prefetch_bytes at prefetch_ptr (the next kernel's weight) into L2 in this
-    # many bulk prefetches each (0: none)
-    prefetch_pieces: tl.constexpr,
-    prefetch_after_wait: tl.constexpr,
-    threads: tl.constexpr,
     precision: tl.constexpr,
     pdl: tl.constexpr,
 ) -> None:
@@ -108,10 +97,6 @@ def _decode_kernel(
     partition_len = partition_length(context_len, num_splits, min_partition, max_unsplit, block_n)
     lo = context_start + partition * partition_len
     if lo >= seq_len:  # past this sequence's context: the merge does not read this partition
-        if prefetch_pieces > 0:
-            if prefetch_after_wait:
-                wait_for_previous_kernel(pdl)
-            prefetch_my_share(prefetch_ptr, prefetch_bytes, threads, prefetch_pieces)
         return
     hi = tl.minimum(lo + partition_len, seq_len)
 
@@ -236,7 +221,6 @@ def paged_decode_attention(
     pdl: bool = False,
     new_tokens: NewTokens | None = None,
     rotation: Rotation | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``query`` ``[B, Hq, D]`` → ``[B, Hq, D]``.
 
@@ -249,9 +233,6 @@ def paged_decode_attention(
     With it, the kernel stores the new token's K/V itself and folds them in from registers; with
     ``rotation`` as well, ``query`` and the new key arrive before their rotary embedding and the kernel
     applies it (the query is not written back). Both save a launch per layer.
-
-    ``prefetch``: a tensor the next kernel reads (the output projection's weight), which the programs
-    pull into L2 as they start (``tokenmill.kernels.l2_prefetch``; compiled, compute capability 9.0+).
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = check_pools(query, key_pool, value_pool)
@@ -269,8 +250,6 @@ def paged_decode_attention(
         split = plan_decode_split(
             num_seqs, num_kv_heads, max_context, query.device, config.block_n, partition_size
         )
-    if prefetch is not None and not prefetch.is_contiguous():
-        prefetch = None  # a hint: the slices assume one contiguous range
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
@@ -290,8 +269,6 @@ def paged_decode_attention(
         slot_mapping,
         positions,
         cos_sin,
-        prefetch if prefetch is not None else query,
-        prefetch.nbytes if prefetch is not None else 0,
         scale * LOG2E,
         sliding_window or 0,
         split.min_partition,
@@ -320,9 +297,6 @@ def paged_decode_attention(
         split=split.num_splits > 1,
         write_new=new_tokens is not None,
         rotate=rotation is not None,
-        prefetch_pieces=PREFETCH_PIECES if prefetch is not None else 0,
-        prefetch_after_wait=PREFETCH_AFTER_WAIT,
-        threads=32 * config.num_warps,
         precision=dot_precision(query.dtype),
         pdl=pdl,
         num_warps=config.num_warps,

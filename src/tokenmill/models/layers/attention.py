@@ -14,18 +14,12 @@ class Attention(nn.Module):
         self.spec = spec
 
     def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        rotary: PendingRotary | None = None,
-        prefetch: torch.Tensor | None = None,
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rotary: PendingRotary | None = None
     ) -> torch.Tensor:
         """Attention of the projected q/k/v; ``rotary``: the rotation q and k still need (the backend
-        applies it, or fuses it into its kernel); ``prefetch``: the weight of the projection that follows
-        (the backend may pull it into L2 meanwhile)."""
+        applies it, or fuses it into its kernel)."""
         spec = self.spec
         q = query.view(-1, spec.num_heads, spec.head_dim)
         k = key.view(-1, spec.num_kv_heads, spec.head_dim)
         v = value.view(-1, spec.num_kv_heads, spec.head_dim)
-        return attention(spec, q, k, v, rotary, prefetch).reshape(-1, spec.num_heads * spec.head_dim)
+        return attention(spec, q, k, v, rotary).reshape(-1, spec.num_heads * spec.head_dim)
