@@ -6,8 +6,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import next_power_of_2, sm_count
-from tokenmill.kernels.attention.checks import FP8_KV_DTYPE, check_pools
-from tokenmill.kernels.attention.fp8_tiles import attend_keys_major
+from tokenmill.kernels.attention.checks import check_pools
 from tokenmill.kernels.attention.new_token import (
     NewTokens,
     Rotation,
@@ -87,9 +86,6 @@ def _decode_kernel(
     split: tl.constexpr,
     write_new: tl.constexpr,  # the new token's K/V come in new_key/new_value and are stored here
     rotate: tl.constexpr,  # q and the new key still need their rotary embedding (needs write_new)
-    # a float8 pool: q is rounded to e4m3 (a scale per row) and probabilities too, and both products run
-    # on the float8 tensor cores, reading K/V as stored
-    fp8_dot: tl.constexpr,
     precision: tl.constexpr,
     pdl: tl.constexpr,
 ) -> None:
@@ -137,25 +133,37 @@ def _decode_kernel(
     q = load_rotated(
         q_ptrs, dims[None, :], row_ok[:, None], cos[None, :], signed_sin[None, :], head_dim, rotate
     )
-    if fp8_dot:
-        row_max, row_sum, acc = attend_keys_major(
-            q, first_k, first_v, first_in_range, key_base, value_base, table, lo + prefetch_n, cached_hi,
-            scale_log2, pool_block_stride, pool_slot_stride, block_n, head_dim, block_size,
-        )  # fmt: skip
-    else:
-        row_max = tl.full([group_block], float("-inf"), tl.float32)
-        row_sum = tl.zeros([group_block], tl.float32)
-        acc = tl.zeros([group_block, head_dim], tl.float32)
-        row_max, row_sum, acc = attend_tile(
-            q, row_max, row_sum, acc, first_k, first_v, first_in_range, scale_log2, precision
-        )
-        query_pos = tl.zeros([group_block], tl.int32) + seq_len - 1
-        row_max, row_sum, acc = attend_range(
-            q, row_max, row_sum, acc, query_pos, key_base, value_base, table, 0, lo + prefetch_n, cached_hi,
-            scale_log2, window, pool_block_stride, pool_slot_stride, block_n, head_dim, block_size, True,
-            False,  # the window is already applied through lo
-            True, precision,
-        )  # fmt: skip
+    row_max = tl.full([group_block], float("-inf"), tl.float32)
+    row_sum = tl.zeros([group_block], tl.float32)
+    acc = tl.zeros([group_block, head_dim], tl.float32)
+    row_max, row_sum, acc = attend_tile(
+        q, row_max, row_sum, acc, first_k, first_v, first_in_range, scale_log2, precision
+    )
+    query_pos = tl.zeros([group_block], tl.int32) + seq_len - 1
+    row_max, row_sum, acc = attend_range(
+        q,
+        row_max,
+        row_sum,
+        acc,
+        query_pos,
+        key_base,
+        value_base,
+        table,
+        0,
+        lo + prefetch_n,
+        cached_hi,
+        scale_log2,
+        window,
+        pool_block_stride,
+        pool_slot_stride,
+        block_n,
+        head_dim,
+        block_size,
+        True,
+        False,  # the window is already applied through lo
+        True,
+        precision,
+    )
     if hi == seq_len:  # this partition holds the new token
         new_k, new_v = new_token_kv(
             new_key_ptr + seq * new_key_token_stride + kv_head * new_head_stride,
@@ -213,7 +221,6 @@ def paged_decode_attention(
     pdl: bool = False,
     new_tokens: NewTokens | None = None,
     rotation: Rotation | None = None,
-    fp8_dot: bool = False,
 ) -> torch.Tensor:
     """One query token per sequence: ``query`` ``[B, Hq, D]`` → ``[B, Hq, D]``.
 
@@ -290,7 +297,6 @@ def paged_decode_attention(
         split=split.num_splits > 1,
         write_new=new_tokens is not None,
         rotate=rotation is not None,
-        fp8_dot=fp8_dot and key_pool.dtype == FP8_KV_DTYPE,
         precision=dot_precision(query.dtype),
         pdl=pdl,
         num_warps=config.num_warps,
