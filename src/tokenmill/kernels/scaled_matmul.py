@@ -2,10 +2,11 @@
 
 A prefill or a large decode batch is compute-bound, and Hopper's 8-bit tensor cores do twice the
 bfloat16 rate: ``torch._scaled_mm`` multiplies float8 e4m3 operands with a scale per row of each (cuBLASLt
-"rowwise" scaling) and ``torch._int_mm`` int8 ones into int32. The activations are quantized per token by
-:func:`tokenmill.kernels.quantize_rows.quantize_rows` (one launch); the weights were quantized per output
-channel at load. The int8 product is scaled back in one epilogue launch (:func:`_int8_epilogue_kernel`),
-since ``_int_mm`` returns raw int32 sums.
+"rowwise" scaling; decode batches of up to 256 rows go to tokenmill's own float8 GEMM,
+:mod:`tokenmill.kernels.fp8_gemm`, faster there) and ``torch._int_mm`` int8 ones into int32. The
+activations are quantized per token by :func:`tokenmill.kernels.quantize_rows.quantize_rows` (one launch);
+the weights were quantized per output channel at load. The int8 product is scaled back in one epilogue
+launch (:func:`_int8_epilogue_kernel`), since ``_int_mm`` returns raw int32 sums.
 
 ``x @ W^T`` with ``W = w_q * w_scale[:, None]`` and ``x ≈ x_q * x_scale`` is
 ``(x_q @ w_q^T) * x_scale * w_scale^T``: exact up to the two quantizations.
@@ -15,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.fp8_gemm import fp8_gemm, fp8_gemm_fits
 from tokenmill.kernels.quantize_rows import quantize_rows
 
 # torch._int_mm's cuBLAS path takes more than 16 rows; fewer are padded with zero rows.
@@ -28,14 +30,17 @@ def fp8_linear(
     ``[..., K]`` in bfloat16 or float16, quantized per row on the way in. Output in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
     x_q, x_scale = quantize_rows(rows, torch.float8_e4m3fn)
-    out = torch._scaled_mm(
-        x_q,
-        weight.t(),
-        scale_a=x_scale,
-        scale_b=weight_scale.view(1, -1),
-        bias=bias,
-        out_dtype=x.dtype,
-    )
+    if fp8_gemm_fits(rows.shape[0], weight):  # a decode batch: tokenmill's GEMM streams the weight faster
+        out = fp8_gemm(x_q, weight, x_scale, weight_scale, bias, x.dtype)
+    else:
+        out = torch._scaled_mm(
+            x_q,
+            weight.t(),
+            scale_a=x_scale,
+            scale_b=weight_scale.view(1, -1),
+            bias=bias,
+            out_dtype=x.dtype,
+        )
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
