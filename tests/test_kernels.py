@@ -565,6 +565,18 @@ def test_decode_short_contexts_stay_unsplit_in_a_split_launch(device: str, dtype
     check_against_reference(batch, _layer(4, 1, 64, None), backends, dtype, rotary)
 
 
+def test_decode_tiles_follow_the_batch_and_the_pool_dtype() -> None:
+    """8 warps while each (sequence, KV head) program has an SM to itself; 4 once they share SMs, with a
+    third pipeline stage for a float8 pool only (its measured gain; a bfloat16 pool loses with it)."""
+    from tokenmill.kernels.attention import default_decode_config
+
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    assert default_decode_config(128, bf16, 8, 132, fp8) == DecodeConfig(64, 8, 2)
+    assert default_decode_config(128, bf16, 1424, 132, bf16) == DecodeConfig(64, 4, 2)
+    assert default_decode_config(128, bf16, 1424, 132, fp8) == DecodeConfig(64, 4, 3)
+    assert default_decode_config(256, bf16, 1424, 132) == DecodeConfig(32, 4, 2)
+
+
 def test_decode_merges_leave_their_counters_at_zero(device: str) -> None:
     """The last partition to arrive merges and resets its counter: launch after launch (layers, graph
     replays) the same inputs give the same output."""

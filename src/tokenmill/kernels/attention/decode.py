@@ -243,7 +243,7 @@ def paged_decode_attention(
     if rotation is not None:
         check_rotation(rotation, num_seqs, head_dim)
     config = config or default_decode_config(
-        head_dim, query.dtype, num_seqs * num_kv_heads, sm_count(query.device)
+        head_dim, query.dtype, num_seqs * num_kv_heads, sm_count(query.device), key_pool.dtype
     )
     max_context = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
     if split is None:
