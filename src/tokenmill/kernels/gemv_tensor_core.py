@@ -13,8 +13,9 @@ the input dtype before the product. Measured on the H200 at Llama-3.1-8B's shape
 memory (reports/gpu/quantized-llama-3.1-8b/gemv-occupancy/README.md): gate/up 44.1 -> 37.4 µs (int8)
 and 43.6 -> 35.9 µs (e4m3) at four pipeline stages (at three: 45.9 / 43.8), the LM head 160.1 -> 140.4
 µs (int8). Narrower outputs (q/k/v, o, down) are slower here at every tile tried (block_n 16-128,
-block_k 256-512: too few programs, or too little per program) and stay on the CUDA cores; a split over
-the input features would be needed (not in the engine yet: scripts/experiments/split_k_gemv_kernel.py).
+block_k 256-512: too few programs, or too little per program) and stay on the CUDA cores. A split over
+the input features (scripts/experiments/split_k_gemv_kernel.py) won only q/k/v, by ~2% of a token, and
+lost o and down: not kept (reports/gpu/quantized-llama-3.1-8b/narrow-projections/README.md).
 """
 
 import torch
