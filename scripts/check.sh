@@ -7,4 +7,4 @@ PYTHON=${PYTHON:-python3}
 "$PYTHON" -m ruff format --check src tests
 "$PYTHON" -m mypy
 # Two worker processes (TEST_WORKERS to change; 0 runs in this process); idle ones steal queued tests.
-"$PYTHON" -m pytest -q -n "${TEST_WORKERS:-2}" --dist worksteal "$@"
+"$PYTHON" -m pytest -q -n "${TEST_WORKERS:-2}" --dist worksteal --durations=25 "$@"

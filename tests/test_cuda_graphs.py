@@ -262,7 +262,7 @@ def _check_against_reference(tiny, engine: LLMEngine, calls: list[int]) -> None:
     """Five requests of different lengths: the batch shrinks from 5 (above the largest size: eager) to
     4, 3 (padded to 4), 2 and 1."""
     prompts = {f"r{i}": list(range(3 + 7 * i, 3 + 7 * i + 2 + 5 * i)) for i in range(5)}
-    max_tokens = {rid: 3 + 2 * i for i, rid in enumerate(prompts)}
+    max_tokens = {rid: 2 + i for i, rid in enumerate(prompts)}  # one request finishes per decode step
     _serve_greedy_and_check(tiny, engine, prompts, max_tokens)
     assert set(calls) == {1, 2, 3, 4}, calls  # batch 5 ran eagerly
     assert engine.kv_cache.manager.num_used_blocks == 0

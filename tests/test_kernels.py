@@ -781,7 +781,7 @@ def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_fo
 
     device = DEVICES[0]
     loaded = load_model(tiny_llama_folder, device=device, dtype="float32")
-    reference = greedy_generate(loaded.model, [4, 8, 15, 16], 5).token_ids  # plain PyTorch: no kernels yet
+    reference = greedy_generate(loaded.model, [4, 8, 15, 16], 3).token_ids  # plain PyTorch: no kernels yet
     engine = engine_for(
         loaded, device=device, attention_backend="triton", block_size=4, num_kv_blocks=64, max_model_len=64,
         fused_rms_norm=True, fused_rotary=True, fused_activation=True, fused_gemv=True,
@@ -790,10 +790,10 @@ def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_fo
     assert engine.runner.model.kernel_options.enabled == KERNEL_TOGGLES
     assert not loaded.model.kernel_options.enabled, "the engine configures a copy, not the loaded model"
     assert engine.runner.sampler.fused and engine.runner.backend.fused_decode_rotary_kv
-    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=5, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=3, ignore_eos=True)
     outputs = run_to_completion(engine, {"a": ([4, 8, 15, 16], greedy), "b": ([23, 42], seeded)})
     assert outputs["a"].outputs[0].token_ids == reference
-    assert len(outputs["b"].outputs[0].token_ids) == 5
+    assert len(outputs["b"].outputs[0].token_ids) == 3
     alone = run_to_completion(engine, {"c": ([4, 8, 15, 16], greedy)})  # one-row decode steps: the GEMVs
     assert alone["c"].outputs[0].token_ids == reference

@@ -27,6 +27,7 @@ from tokenmill.parallel.worker import WorkerSpec, run_worker
 logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 120.0  # a step's collectives; a dead peer is usually noticed long before
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # a worker waits this long for the next step of an idle engine
+STARTUP_TIMEOUT_S = 300.0  # spawning a worker imports torch anew: seconds on a busy machine
 _Process = multiprocessing.process.BaseProcess
 
 
@@ -66,7 +67,7 @@ class WorkerGroup:
         self._stop = weakref.finalize(self, _stop_processes, list(self.processes.values()))
         self.sender = StepSender(device)
         with self.guard("start-up"):
-            self._wait_for_workers(store, timeout_s)
+            self._wait_for_workers(store, STARTUP_TIMEOUT_S)
             timeout = timedelta(seconds=timeout_s)
             init_tensor_parallel(backend, store, 0, world, timeout, timeout)  # rank 0 never idles in one
         self._store = store  # the store serves the group while it lives
