@@ -1,6 +1,9 @@
 """Tokenizer and IncrementalDetokenizer, checked against Hugging Face transformers on real tokenizers:
 SmolLM2 (byte-level BPE, no BOS, chat template) and Gemma 3 (SentencePiece-style, BOS, no chat template),
-plus a tiny Llama-2-style tokenizer built here (byte fallback, decoder strips the first leading space)."""
+plus a tiny Llama-2-style tokenizer built here (byte fallback, decoder strips the first leading space).
+The real ones are transformers' conversions of the GGUF files, read from tokenmill's cache (converted once
+per machine, not once per test worker: ~35 s for Gemma 3); test_gguf_tokenizer.py checks that cache against
+a fresh conversion."""
 
 import random
 from collections.abc import Sequence
@@ -13,9 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, normalizers, processors
 from tokenizers import Tokenizer as RawTokenizer
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from tokenmill.errors import TokenizerError
+from tokenmill.loading.gguf_tokenizer import gguf_hf_tokenizer
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -29,14 +33,14 @@ class Case:
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf_path: Path) -> Case:
-    hf = AutoTokenizer.from_pretrained(smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name)
+    hf = gguf_hf_tokenizer(smollm2_gguf_path)
     # add_bos as the GGUF file states it (tokenizer.ggml.add_bos_token = false).
     return Case("smollm2", Tokenizer(hf, add_bos=False), hf, "<|im_start|>user\nHi there<|im_end|>\n")
 
 
 @pytest.fixture(scope="module")
 def gemma3(gemma3_gguf_path: Path) -> Case:
-    hf = AutoTokenizer.from_pretrained(gemma3_gguf_path.parent, gguf_file=gemma3_gguf_path.name)
+    hf = gguf_hf_tokenizer(gemma3_gguf_path)
     return Case("gemma3", Tokenizer(hf, add_bos=True), hf, "<start_of_turn>user\nHi there<end_of_turn>\n")
 
 
