@@ -3,7 +3,7 @@ SmolLM2 (byte-level BPE, no BOS, chat template) and Gemma 3 (SentencePiece-style
 plus a tiny Llama-2-style tokenizer built here (byte fallback, decoder strips the first leading space).
 The real ones are transformers' conversions of the GGUF files, read from tokenmill's cache (converted once
 per machine, not once per test worker: ~35 s for Gemma 3); test_gguf_tokenizer.py checks that cache against
-a fresh conversion."""
+a fresh conversion (of SmolLM2's file)."""
 
 import random
 from collections.abc import Sequence

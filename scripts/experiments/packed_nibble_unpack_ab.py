@@ -13,10 +13,10 @@ CHILD = r"""
 import json, subprocess, sys, time
 import tokenmill.quantization.gguf_cpu_kernel as K
 if sys.argv[1] == "old":
-    K._SOURCE = subprocess.run(["git", "show", sys.argv[2] + ":src/tokenmill/quantization/gguf_cpu_kernel.py"],
-                               capture_output=True, text=True, check=True).stdout.split('_SOURCE = (', 1)[1]
+    text = subprocess.run(["git", "show", sys.argv[2] + ":src/tokenmill/quantization/gguf_cpu_kernel.py"],
+                          capture_output=True, text=True, check=True).stdout
     namespace = {}
-    exec("_SOURCE = (" + K._SOURCE.split("\n\n\n@cache", 1)[0], vars(K) | namespace, namespace)
+    exec(text.split("\n\n\n@cache", 1)[0], namespace)  # the old module up to load_kernel: its _SOURCE
     K._SOURCE = namespace["_SOURCE"]
 from tokenmill import LLM, SamplingParams
 llm = LLM(dtype="float32")

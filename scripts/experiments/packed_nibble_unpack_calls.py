@@ -5,7 +5,7 @@ turn, as a decode step does), the two libraries alternating, medians; outputs co
 
 import time, torch, statistics, subprocess, sys
 import tokenmill.quantization.gguf_cpu_kernel as K
-old_text = subprocess.run(["git", "show", "ee536b8:src/tokenmill/quantization/gguf_cpu_kernel.py"], capture_output=True, text=True).stdout
+old_text = subprocess.run(["git", "show", "ee536b8:src/tokenmill/quantization/gguf_cpu_kernel.py"], capture_output=True, text=True, check=True).stdout
 ns = {}
 exec(old_text.split("\n\n\n@cache", 1)[0], ns)
 libs = {}
