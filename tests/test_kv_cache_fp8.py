@@ -196,3 +196,51 @@ def test_bad_kv_cache_dtypes_are_refused_by_name() -> None:
         EngineConfig().with_options(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' needs attention_backend"):
         _engine("fp8", attention_backend="cpu")
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton (its CPU interpreter off CUDA)")
+@pytest.mark.parametrize("query_scale,key_scale", [(1.0, 2.0), (2e4, 1e-3)], ids=["plain", "big-query"])
+@pytest.mark.parametrize("partition", [None, 16], ids=["one-pass", "split"])
+def test_decode_in_float16_over_a_float8_pool(
+    query_scale: float, key_scale: float, partition: int | None
+) -> None:
+    """bfloat16 queries over a float8 pool, whose tiles the decode kernel reads as e4m3 pairs converted to
+    float16 (its default): subnormal codes (values ~0.01), queries beyond float16's range (scaled by a
+    power of two), split contexts, and the new token written by the kernel, against float64 attention."""
+    from tokenmill.kernels.attention import NewTokens, paged_decode_attention
+
+    gen = torch.Generator().manual_seed(7)
+    seq_lens, block_size, heads, kv_heads, head_dim = [5, 37, 70], 16, 8, 2, 64
+    blocks = [math.ceil(n / block_size) for n in seq_lens]
+    order = torch.randperm(sum(blocks) + 1, generator=gen).tolist()
+    tables = [[order.pop() for _ in range(n)] for n in blocks]
+    shape = (sum(blocks) + 1, block_size, kv_heads, head_dim)
+    key_pool = (torch.randn(shape, generator=gen) * key_scale).to(FP8).to(DEVICE)
+    value_pool = (torch.randn(shape, generator=gen) * 0.01).to(FP8).to(DEVICE)
+    query = (torch.randn(3, heads, head_dim, generator=gen) * query_scale).to(DEVICE, torch.bfloat16)
+    new_key = (torch.randn(3, kv_heads, head_dim, generator=gen) * key_scale).to(DEVICE, torch.bfloat16)
+    new_value = torch.randn(3, kv_heads, head_dim, generator=gen).to(DEVICE, torch.bfloat16)
+    last = [n - 1 for n in seq_lens]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, last, strict=True)]
+    width = max(blocks)
+    out = paged_decode_attention(
+        query, key_pool, value_pool,
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), max(seq_lens), head_dim**-0.5,
+        partition_size=partition,
+        new_tokens=NewTokens(new_key, new_value, torch.tensor(slots, device=DEVICE)),
+    )  # fmt: skip
+    for pool, new in ((key_pool, new_key), (value_pool, new_value)):
+        written = pool.flatten(0, 1)[slots].cpu().view(torch.uint8)
+        assert torch.equal(written, _to_fp8(new.cpu(), None).view(torch.uint8))
+    expected = torch.empty(out.shape, dtype=torch.float64)
+    flat_k, flat_v = key_pool.flatten(0, 1).cpu().double(), value_pool.flatten(0, 1).cpu().double()
+    for seq, (table, seq_len) in enumerate(zip(tables, seq_lens, strict=True)):
+        context = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        for head in range(heads):
+            k, v = flat_k[context, head // (heads // kv_heads)], flat_v[context, head // (heads // kv_heads)]
+            weights = torch.softmax(k @ query[seq, head].cpu().double() * head_dim**-0.5, dim=0)
+            expected[seq, head] = weights @ v
+    assert torch.isfinite(out).all()
+    error = (out.cpu().double() - expected).abs().max() / expected.abs().max()
+    assert error < 1e-2, float(error)  # bf16 output, float16 probabilities (~4e-3 measured)

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import require_unit_last_stride
+from tokenmill.kernels.attention.tiles import as_operand, to_pool
 
 
 class NewTokens(NamedTuple):
@@ -37,12 +38,14 @@ def attend_one_key(
 ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """Fold a single key ``[D]`` and value (the step's new token, in the pool's dtype) into the running
     state, rounding the probability where ``tiles.softmax_step`` does."""
-    score = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * scale_log2
+    k = as_operand(k, q.dtype).to(tl.float32)
+    score = tl.sum(q.to(tl.float32) * k[None, :], axis=1) * scale_log2
     new_max = tl.maximum(row_max, score)
     alpha = tl.exp2(row_max - new_max)
     p = tl.exp2(score - new_max)
     row_sum = row_sum * alpha + p
-    acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+    v = as_operand(v, q.dtype).to(tl.float32)
+    acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v[None, :]
     return new_max, row_sum, acc
 
 
@@ -93,8 +96,8 @@ def new_token_kv(
     row); else read back from the pool, where the KV-write kernel put them."""
     if write_new:
         k = load_rotated(new_key_ptrs, dims, dims < dims.shape[0], cos, signed_sin, dims.shape[0], rotate)
-        k = k.to(key_base.dtype.element_ty)
-        v = tl.load(new_value_ptrs + dims).to(value_base.dtype.element_ty)
+        k = to_pool(k, key_base)
+        v = to_pool(tl.load(new_value_ptrs + dims), value_base)
         slot = tl.load(slot_ptr).to(tl.int64)
         offset = (slot // block_size) * pool_block_stride + (slot % block_size) * pool_slot_stride + dims
         tl.store(key_base + offset, k, mask=(dims * 0 + slot) >= 0)

@@ -65,16 +65,18 @@ def default_decode_config(
     """``num_seq_heads``: the launch's (sequence, KV head) pairs. While they are fewer than the ``num_sms``
     SMs (small batches) each program has an SM to itself, and 8 warps get through its short chain of
     loads and math sooner; once several programs share an SM, 4 warps are faster (measured on the
-    H200 in the engine's batch-1 and batch-64 decode). There a float8 pool (``kv_dtype``), whose tiles
-    are converted before the products, gains from a third pipeline stage: 219 -> 202 µs a layer at 178
-    sequences of 300-1,500 keys, 103 -> 92 at 64 of 1,024 (H200, Triton 3.6; a bfloat16 pool loses with
-    it; ``reports/gpu/quantized-llama-3.1-8b/kv-fp8/``)."""
+    H200 in the engine's batch-1 and batch-64 decode). There a float8 pool (``kv_dtype``), read in
+    float16 (``tiles.load_code_tile``), runs best in 128-key tiles over three pipeline stages: 156 µs a
+    layer at 178 sequences of 300-1,500 keys (64-key tiles: 158-168), 60 at 64 of 1,024 (81-86; H200,
+    Triton 3.6; ``reports/gpu/quantized-llama-3.1-8b/kv-fp8/``)."""
     if dtype == torch.float32:  # see default_prefill_config
         return DecodeConfig(32 if head_dim <= 128 else 16, 8, 1)
     block_n = 64 if head_dim <= 128 else 32
     if num_seq_heads < num_sms:
         return DecodeConfig(block_n, 8, 2)
-    return DecodeConfig(block_n, 4, 3 if kv_dtype is not None and kv_dtype.itemsize == 1 else 2)
+    if kv_dtype is not None and kv_dtype.itemsize == 1:
+        return DecodeConfig(2 * block_n, 4, 3)
+    return DecodeConfig(block_n, 4, 2)
 
 
 def plan_decode_split(
