@@ -20,10 +20,10 @@ from tokenmill.kernels import interpreter_enabled, triton_available
 if not triton_available():
     pytest.skip("triton cannot run here (no CUDA, TRITON_INTERPRET unset)", allow_module_level=True)
 
-from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, fp8_gemm_fits
 from tokenmill.kernels.gemv import GemvConfig, gated_gemv, gemv, rms_norm_gemv
 from tokenmill.kernels.quantize_rows import Q_MAX, quantize_rows, quantize_rows_reference
 from tokenmill.kernels.scaled_matmul import fp8_linear, int8_linear, w8a8_linear_reference
+from tokenmill.kernels.w8a8_gemm import W8A8GemmConfig, w8a8_gemm, w8a8_gemm_fits
 from tokenmill.models.layers.activation import SiluAndMul
 from tokenmill.models.layers.norm import RMSNorm
 
@@ -179,51 +179,61 @@ def test_fp8_linear_matches_the_w8a8_reference(rows: int) -> None:
     _close(fp8_linear(x, weight, scale, bias), w8a8_linear_reference(x, weight, scale, bias))
 
 
-@pytest.mark.skipif(not ON_CUDA, reason="float8 quantization kernel: CUDA only (see the module docstring)")
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("rows", [2, 40, 178])
-def test_fp8_linear_takes_decode_batches_through_tokenmills_gemm(rows: int) -> None:
-    """Whole tiles of the default configs (N and K multiples of 256): tokenmill's float8 GEMM, not
-    ``torch._scaled_mm``, and the same result as the reference."""
+def test_w8a8_linear_takes_decode_batches_through_tokenmills_gemm(
+    weight_dtype: torch.dtype, rows: int
+) -> None:
+    """Whole tiles of the default configs (N and K multiples of 256): tokenmill's 8-bit GEMM, not
+    ``torch._scaled_mm`` / ``torch._int_mm``, and the same result as the reference."""
+    if weight_dtype == torch.float8_e4m3fn and not ON_CUDA:
+        pytest.skip("float8 quantization kernel: CUDA only (see the module docstring)")
     torch.manual_seed(6)
     x = torch.randn(rows, 256, device=DEVICE, dtype=ACT_DTYPE)
-    weight, scale = quantize_per_channel(torch.randn(512, 256, device=DEVICE), torch.float8_e4m3fn)
+    weight, scale = quantize_per_channel(torch.randn(512, 256, device=DEVICE), weight_dtype)
     bias = torch.randn(512, device=DEVICE, dtype=ACT_DTYPE)
-    assert fp8_gemm_fits(rows, weight)
-    _close(fp8_linear(x, weight, scale, bias), w8a8_linear_reference(x, weight, scale, bias))
+    assert w8a8_gemm_fits(rows, weight)
+    linear = fp8_linear if weight_dtype == torch.float8_e4m3fn else int8_linear
+    _close(linear(x, weight, scale, bias), w8a8_linear_reference(x, weight, scale, bias))
 
 
-SMALL_FP8_GEMM = Fp8GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
+SMALL_W8A8_GEMM = W8A8GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
 
 
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("rows", [2, 17, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fp8_gemm_matches_float32_products_of_the_same_operands(rows: int, with_bias: bool) -> None:
-    """Already-quantized e4m3 operands (converted by PyTorch, so the interpreter's float8 conversion plays
-    no part): float32 products and sums, the scales and bias applied once; rows past a whole row tile
-    (17, 40 with 16-row tiles) are masked."""
+def test_w8a8_gemm_matches_float32_products_of_the_same_operands(
+    weight_dtype: torch.dtype, rows: int, with_bias: bool
+) -> None:
+    """Already-quantized operands (converted by PyTorch, so the interpreter's float8 conversion plays no
+    part): float32 products and sums, the scales and bias applied once; rows past a whole row tile (17, 40
+    with 16-row tiles) are masked."""
     torch.manual_seed(7)
     x = torch.randn(rows, 96, device=DEVICE)
-    x_scale = x.abs().amax(dim=1, keepdim=True) / Q_MAX[torch.float8_e4m3fn]
-    x_q = (x / x_scale).to(torch.float8_e4m3fn)
-    weight, scale = quantize_per_channel(torch.randn(64, 96, device=DEVICE), torch.float8_e4m3fn)
+    x_q, x_scale = quantize_per_channel(x, weight_dtype)  # one scale per row of x, as quantize_rows makes
+    weight, scale = quantize_per_channel(torch.randn(64, 96, device=DEVICE), weight_dtype)
     bias = torch.randn(64, device=DEVICE, dtype=ACT_DTYPE) if with_bias else None
-    out = fp8_gemm(x_q, weight, x_scale, scale, bias, torch.float32, SMALL_FP8_GEMM)
-    expected = (x_q.float() * x_scale) @ dequantized(weight, scale).t()
+    out = w8a8_gemm(x_q, weight, x_scale[:, None], scale, bias, torch.float32, SMALL_W8A8_GEMM)
+    expected = dequantized(x_q, x_scale) @ dequantized(weight, scale).t()
     if bias is not None:
         expected += bias.float()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-def test_fp8_gemm_takes_only_decode_batches_of_whole_tiles() -> None:
-    """One row is the GEMV's; beyond FP8_GEMM_MAX_ROWS, or with partial tiles, torch._scaled_mm's."""
+def test_w8a8_gemm_takes_only_decode_batches_of_whole_tiles() -> None:
+    """One row is the GEMV's; beyond W8A8_GEMM_MAX_ROWS, or with partial tiles, cuBLAS's."""
     weight = torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn)
-    assert [fp8_gemm_fits(rows, weight) for rows in (1, 2, 256, 257)] == [False, True, True, False]
-    assert not fp8_gemm_fits(16, torch.zeros(4096, 4000, dtype=torch.float8_e4m3fn))
-    assert not fp8_gemm_fits(16, torch.zeros(4000, 4096, dtype=torch.float8_e4m3fn))
-    assert not fp8_gemm_fits(16, weight.t())  # columns not contiguous
+    assert [w8a8_gemm_fits(rows, weight) for rows in (1, 2, 256, 257)] == [False, True, True, False]
+    assert not w8a8_gemm_fits(16, torch.zeros(4096, 4000, dtype=torch.int8))
+    assert not w8a8_gemm_fits(16, torch.zeros(4000, 4096, dtype=torch.int8))
+    assert not w8a8_gemm_fits(16, weight.t())  # columns not contiguous
     with pytest.raises(ValueError, match="does not take 300 rows"):
-        fp8_gemm(torch.zeros(300, 4096, dtype=torch.float8_e4m3fn), weight, torch.ones(300), torch.ones(4096),
-                 None, torch.bfloat16)  # fmt: skip
+        rows = torch.zeros(300, 4096, dtype=torch.float8_e4m3fn)
+        w8a8_gemm(rows, weight, torch.ones(300), torch.ones(4096), None, torch.bfloat16)
+    with pytest.raises(ValueError, match="does not take 16 rows"):  # int8 rows through a float8 weight
+        w8a8_gemm(torch.zeros(16, 4096, dtype=torch.int8), weight, torch.ones(16), torch.ones(4096), None,
+                  torch.bfloat16)  # fmt: skip
 
 
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)

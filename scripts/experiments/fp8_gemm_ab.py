@@ -1,6 +1,6 @@
 """Exploration for issue 18 on an H100/H200: µs per call of Llama-3.1-8B's projections at decode batches
 of 16-512 rows: bf16 ``F.linear``, ``torch._scaled_mm`` rowwise (``fp8_linear``'s GEMM, activations
-already quantized), and tokenmill's e4m3 GEMM (``kernels/fp8_gemm.py``) over a few tile configs; weights
+already quantized), and tokenmill's e4m3 GEMM (``kernels/w8a8_gemm.py``) over a few tile configs; weights
 cycled through >= 512 MB so that they come from memory; weight bytes / time; relative error against the
 float32 product of the same quantized operands.
 
@@ -10,7 +10,7 @@ float32 product of the same quantized operands.
 import torch
 import triton.testing
 
-from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm
+from tokenmill.kernels.w8a8_gemm import W8A8GemmConfig, w8a8_gemm
 
 SHAPES = {"q/k/v": (6144, 4096), "o": (4096, 4096), "gate/up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (16, 64, 128, 178, 256, 512)
@@ -36,7 +36,7 @@ def main() -> None:
                                                            out_dtype=torch.bfloat16),  # fmt: skip
             }
             for config in CONFIGS:
-                runs[f"triton{config}"] = lambda w, i, c=Fp8GemmConfig(*config): fp8_gemm(
+                runs[f"triton{config}"] = lambda w, i, c=W8A8GemmConfig(*config): w8a8_gemm(
                     x_q, w, x_scale, w_scale, None, torch.bfloat16, c
                 )
             for variant, run in runs.items():

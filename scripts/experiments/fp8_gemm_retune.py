@@ -3,7 +3,7 @@ Llama-3.1-8B's shapes and 64-256 rows, keep the best per (shape, row bucket), th
 with that table patched in and with the landed rule (reports/gpu/quantized-llama-3.1-8b/fp8-gemm/)."""
 import json, os, subprocess, sys
 import torch, triton.testing
-from tokenmill.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, default_fp8_gemm_config
+from tokenmill.kernels.w8a8_gemm import W8A8GemmConfig as Fp8GemmConfig, w8a8_gemm as fp8_gemm, default_w8a8_gemm_config as default_fp8_gemm_config
 OUT = os.environ["OUT"]
 SHAPES = {"q/k/v": (6144, 4096), "o": (4096, 4096), "gate/up": (28672, 4096), "down": (4096, 14336)}
 BUCKETS = (64, 128, 178, 256)
@@ -35,27 +35,27 @@ for name, (n, k) in SHAPES.items():
 json.dump(table, open(f"{OUT}/table.json", "w"))
 PATCH = r'''
 import json, sys
-import tokenmill.kernels.fp8_gemm as g
+import tokenmill.kernels.w8a8_gemm as g
 table = json.load(open(sys.argv[1]))
-landed = g.default_fp8_gemm_config
+landed = g.default_w8a8_gemm_config
 def config(rows, out_features, in_features=None):
     return landed(rows, out_features)
 def fits_patch():
-    original_fits = g.fp8_gemm_fits
+    original_fits = g.w8a8_gemm_fits
     def pick(rows, weight, cfg=None):
         return cfg or lookup(rows, *weight.shape)
     def lookup(rows, n, k):
         bucket = next((b for b in (16, 64, 128, 178, 256) if rows <= (b if b != 178 else 192)), 256)
         entry = table.get(f"{n},{k},{bucket}")
-        return g.Fp8GemmConfig(*entry) if entry else landed(rows, n)
-    original_gemm = g.fp8_gemm
+        return g.W8A8GemmConfig(*entry) if entry else landed(rows, n)
+    original_gemm = g.w8a8_gemm
     def gemm(x_q, weight, x_scale, weight_scale, bias, out_dtype, cfg=None):
         return original_gemm(x_q, weight, x_scale, weight_scale, bias, out_dtype, pick(x_q.shape[0], weight, cfg))
     def fits(rows, weight, cfg=None):
         return original_fits(rows, weight, pick(rows, weight, cfg) if 1 < rows <= 256 else cfg)
-    g.fp8_gemm, g.fp8_gemm_fits = gemm, fits
+    g.w8a8_gemm, g.w8a8_gemm_fits = gemm, fits
     import tokenmill.kernels.scaled_matmul as s
-    s.fp8_gemm, s.fp8_gemm_fits = gemm, fits
+    s.w8a8_gemm, s.w8a8_gemm_fits = gemm, fits
 fits_patch()
 from tokenmill.cli import main
 sys.exit(main(sys.argv[2:]))

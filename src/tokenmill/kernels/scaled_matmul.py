@@ -2,8 +2,8 @@
 
 A prefill or a large decode batch is compute-bound, and Hopper's 8-bit tensor cores do twice the
 bfloat16 rate: ``torch._scaled_mm`` multiplies float8 e4m3 operands with a scale per row of each (cuBLASLt
-"rowwise" scaling; decode batches of up to 256 rows go to tokenmill's own float8 GEMM,
-:mod:`tokenmill.kernels.fp8_gemm`, faster there) and ``torch._int_mm`` int8 ones into int32. The
+"rowwise" scaling) and ``torch._int_mm`` int8 ones into int32; decode batches of up to 256 rows go to
+tokenmill's own GEMM of either dtype instead (:mod:`tokenmill.kernels.w8a8_gemm`, faster there). The
 activations are quantized per token by :func:`tokenmill.kernels.quantize_rows.quantize_rows` (one launch);
 the weights were quantized per output channel at load. The int8 product is scaled back in one epilogue
 launch (:func:`_int8_epilogue_kernel`), since ``_int_mm`` returns raw int32 sums.
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.fp8_gemm import fp8_gemm, fp8_gemm_fits
 from tokenmill.kernels.quantize_rows import quantize_rows
+from tokenmill.kernels.w8a8_gemm import w8a8_gemm, w8a8_gemm_fits
 
 # torch._int_mm's cuBLAS path takes more than 16 rows; fewer are padded with zero rows.
 _INT_MM_MIN_ROWS = 17
@@ -30,8 +30,8 @@ def fp8_linear(
     ``[..., K]`` in bfloat16 or float16, quantized per row on the way in. Output in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
     x_q, x_scale = quantize_rows(rows, torch.float8_e4m3fn)
-    if fp8_gemm_fits(rows.shape[0], weight):  # a decode batch: tokenmill's GEMM streams the weight faster
-        out = fp8_gemm(x_q, weight, x_scale, weight_scale, bias, x.dtype)
+    if w8a8_gemm_fits(rows.shape[0], weight):  # a decode batch: tokenmill's GEMM streams the weight faster
+        out = w8a8_gemm(x_q, weight, x_scale, weight_scale, bias, x.dtype)
     else:
         out = torch._scaled_mm(
             x_q,
@@ -52,6 +52,8 @@ def int8_linear(
     rows = x.reshape(-1, x.shape[-1])
     num_rows = rows.shape[0]
     x_q, x_scale = quantize_rows(rows, torch.int8)
+    if w8a8_gemm_fits(num_rows, weight):  # a decode batch, as in fp8_linear
+        return w8a8_gemm(x_q, weight, x_scale, weight_scale, bias, x.dtype).view(*x.shape[:-1], -1)
     if num_rows < _INT_MM_MIN_ROWS:
         x_q = torch.nn.functional.pad(x_q, (0, 0, 0, _INT_MM_MIN_ROWS - num_rows))
     sums = torch._int_mm(x_q, weight.t())[:num_rows]
