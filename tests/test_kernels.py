@@ -573,7 +573,7 @@ def test_decode_tiles_follow_the_batch_and_the_pool_dtype() -> None:
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     assert default_decode_config(128, bf16, 8, 132, fp8) == DecodeConfig(64, 8, 2)
     assert default_decode_config(128, bf16, 1424, 132, bf16) == DecodeConfig(64, 4, 2)
-    assert default_decode_config(128, bf16, 1424, 132, fp8) == DecodeConfig(128, 4, 3)
+    assert default_decode_config(128, bf16, 1424, 132, fp8) == DecodeConfig(64, 4, 2, 128)
     assert default_decode_config(256, bf16, 1424, 132) == DecodeConfig(32, 4, 2)
 
 

@@ -119,7 +119,7 @@ def format_sweep(rows: Sequence[SweepRow], defaults: dict[tuple[int, int], float
         cells = [_us(t) if t is not None else "WRONG" for t in row.times.values()]
         default = defaults[row.batch, row.context]
         best_cell = f"{best} ({_us(valid[best])})" if best else "-"
-        config = "/".join(map(str, row.config))
+        config = "/".join(str(value) for value in row.config if value is not None)
         lines.append([str(row.batch), str(row.context), config, *cells, best_cell, _us(default)])
     return markdown_table(headers, lines)
 

@@ -33,6 +33,7 @@ class DecodeConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # per thread, for a compiled launch (``maxnreg``)
 
 
 class DecodeSplit(NamedTuple):
@@ -66,16 +67,17 @@ def default_decode_config(
     SMs (small batches) each program has an SM to itself, and 8 warps get through its short chain of
     loads and math sooner; once several programs share an SM, 4 warps are faster (measured on the
     H200 in the engine's batch-1 and batch-64 decode). There a float8 pool (``kv_dtype``), read in
-    float16 (``tiles.load_code_tile``), runs best in 128-key tiles over three pipeline stages: 156 µs a
-    layer at 178 sequences of 300-1,500 keys (64-key tiles: 158-168), 60 at 64 of 1,024 (81-86; H200,
-    Triton 3.6; ``reports/gpu/quantized-llama-3.1-8b/kv-fp8/``)."""
+    float16 (``tiles.load_code_tile``), runs best with registers capped at 128 a thread (it compiles to
+    142-148 uncapped): 146 µs a layer at 178 sequences of 300-1,500 keys (uncapped 157;
+    128-key tiles with three stages 155), 53 at 64 of 1,024 (81; 60) (H200, Triton 3.6;
+    ``reports/gpu/quantized-llama-3.1-8b/kv-fp8/``)."""
     if dtype == torch.float32:  # see default_prefill_config
         return DecodeConfig(32 if head_dim <= 128 else 16, 8, 1)
     block_n = 64 if head_dim <= 128 else 32
     if num_seq_heads < num_sms:
         return DecodeConfig(block_n, 8, 2)
     if kv_dtype is not None and kv_dtype.itemsize == 1:
-        return DecodeConfig(2 * block_n, 4, 3)
+        return DecodeConfig(block_n, 4, 2, max_registers=128)
     return DecodeConfig(block_n, 4, 2)
 
 
