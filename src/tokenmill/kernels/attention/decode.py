@@ -240,7 +240,7 @@ def paged_decode_attention(
 
     A float8 pool under 16-bit queries is read, when ``fp8_codes`` (the default; off only to measure
     the difference), as int8 e4m3 codes converted in pairs to float16, the products in float16
-    (``tiles.load_code_tile``): 216 -> 146 µs a layer at 178 sequences of 300-1,500 keys on the H200
+    (``tiles.load_code_tile``): 201 -> 146 µs a layer at 178 sequences of 300-1,500 keys on the H200
     (with the default config's register cap), where a bfloat16 pool takes 169
     (``reports/gpu/quantized-llama-3.1-8b/kv-fp8/``). Without it, each tile is converted to the
     query's dtype.

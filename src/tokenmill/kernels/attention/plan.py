@@ -68,7 +68,7 @@ def default_decode_config(
     loads and math sooner; once several programs share an SM, 4 warps are faster (measured on the
     H200 in the engine's batch-1 and batch-64 decode). There a float8 pool (``kv_dtype``), read in
     float16 (``tiles.load_code_tile``), runs best with registers capped at 128 a thread (it compiles to
-    142-148 uncapped): 146 µs a layer at 178 sequences of 300-1,500 keys (uncapped 157;
+    142-144 uncapped): 146 µs a layer at 178 sequences of 300-1,500 keys (uncapped 157;
     128-key tiles with three stages 155), 53 at 64 of 1,024 (81; 60) (H200, Triton 3.6;
     ``reports/gpu/quantized-llama-3.1-8b/kv-fp8/``)."""
     if dtype == torch.float32:  # see default_prefill_config
