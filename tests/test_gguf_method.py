@@ -16,6 +16,7 @@ from tiny_models import save_tiny_model
 from tokenmill.errors import ModelLoadError
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.models.layers.linear import LinearBase
+from tokenmill.quantization.gguf_integer_kernel import load_integer_kernel
 from tokenmill.quantization.gguf_method import GGUFLinearMethod, packed_nbytes, packed_weight
 from tokenmill.quantization.gguf_packed import PackedRows, PackedWeight
 from tokenmill.quantization.shards import RowShard
@@ -23,6 +24,10 @@ from tokenmill.reference import greedy_generate
 
 Q = gguf.GGMLQuantizationType
 PROMPT = [1, 5, 9, 3, 7, 2]
+
+NEEDS_INTEGER_KERNEL = pytest.mark.skipif(
+    load_integer_kernel(16) is None, reason="needs a C compiler and AVX2"
+)
 
 
 def _tiny_gguf(tmp_path: Path, name: str, qtype: Q | None) -> Path:
@@ -119,19 +124,20 @@ def test_auto_packs_only_a_float32_gguf_on_the_cpu_in_kernel_formats(tmp_path: P
     assert load_model("smollm2-135m", load_format="dummy").quantization == "none"
     llm = LLM(str(packable), max_model_len=64)
     assert llm.engine.config.quantization == "gguf"
-    assert not llm.engine.config.kernels.gguf_int8_activations
+    assert llm.engine.kernel_options.gguf_activations == "float32"
     assert "; weights gguf packed, float32 inputs;" in llm.engine.describe_startup()
     assert all(layer.weight.numel() == 0 for layer in _projections(llm.engine.loaded))
 
 
+@pytest.mark.parametrize("inputs", ["float32", pytest.param("int16", marks=NEEDS_INTEGER_KERNEL)])
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_real_models_through_the_gguf_method_decode_the_float32_greedy_tokens(
-    model: str, request: pytest.FixtureRequest
+    model: str, inputs: str, request: pytest.FixtureRequest
 ) -> None:
     """SmolLM2 Q4_1 (the default model) and Gemma 3 Q4_K_M (Q5_0 q/k beside Q8_0 v: a fused weight in
-    two formats) loaded with ``quantization="gguf"``, float32 inputs: 32 greedy tokens of one sequence and
-    of four together equal those of the float32 engine (over conftest's shared float32 load of the same
-    file)."""
+    two formats) loaded with ``quantization="gguf"``, with float32 inputs (the default) and with int16
+    ones: 32 greedy tokens of one sequence and of four together equal those of the float32 engine (over
+    conftest's shared float32 load of the same file)."""
     from tokenmill.llm import LLM
     from tokenmill.sampling_params import SamplingParams
 
@@ -145,7 +151,7 @@ def test_real_models_through_the_gguf_method_decode_the_float32_greedy_tokens(
     float32 = llm_for(request.getfixturevalue(f"{model}_float32"), max_model_len=128, max_num_seqs=4)
     expected = greedy(float32, prompts[:1]), greedy(float32, prompts)
     del float32
-    packed = LLM(path, max_model_len=128, max_num_seqs=4, quantization="gguf", gguf_int8_activations=False)
+    packed = LLM(path, max_model_len=128, max_num_seqs=4, quantization="gguf", gguf_activations=inputs)
     layers = [m for m in packed.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert len(layers) == 4 * packed.engine.model_config.num_layers
     assert all(layer.weight.numel() == 0 for layer in layers)

@@ -90,7 +90,7 @@ def test_calls_of_many_rows_multiply_the_exact_weights_formed_a_slice_at_a_time(
     and BLAS multiplies it, in slices of output rows; in either input mode."""
     from tokenmill.quantization import gguf_packed
     from tokenmill.quantization.gguf_cpu_kernel import load_kernel, run_dequantize
-    from tokenmill.quantization.gguf_int8_kernel import load_int8_kernel
+    from tokenmill.quantization.gguf_integer_kernel import load_integer_kernel
 
     library = load_kernel()
     assert library is not None
@@ -101,12 +101,13 @@ def test_calls_of_many_rows_multiply_the_exact_weights_formed_a_slice_at_a_time(
     )
     monkeypatch.setattr(gguf_packed, "_DEQUANTIZED_SLICE", 512 * 7)  # slices of 7 rows: the last one short
     x = torch.randn(gguf_packed.DEQUANTIZED_MIN_ROWS, 512)
-    for int8_activations in (False, True):
-        out = packed.linear(x, int8_activations=int8_activations)
+    for activations in ("float32", "int16", "int8"):
+        out = packed.linear(x, activations=activations)  # type: ignore[arg-type]
         assert ((out - F.linear(x, weight)).abs() <= summation_bound(x, weight)).all()
-    if load_int8_kernel() is not None:  # below the threshold the int8 kernel rounds the inputs
+    if load_integer_kernel(16) is not None:  # below the threshold the integer kernels round the inputs
         few = x[: gguf_packed.DEQUANTIZED_MIN_ROWS - 1]
-        assert not torch.equal(packed.linear(few, int8_activations=True), packed.linear(few))
+        for activations in ("int16", "int8"):
+            assert not torch.equal(packed.linear(few, activations=activations), packed.linear(few))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("prologue", ["norm", "norm, residual, unit offset", "silu", "gelu_tanh"])

@@ -49,7 +49,7 @@ def main() -> None:
                             run(w, i)
 
                     us = triton.testing.do_bench_cudagraph(call_all, rep=60) * 1e3 / copies
-                except Exception as error:  # noqa: BLE001
+                except Exception as error:
                     print(f"{name:8} M={m:4} {variant:34} FAILED {str(error)[:200]}", flush=True)
                     continue
                 bytes_ = n * k * (2 if variant == "bf16" else 1)

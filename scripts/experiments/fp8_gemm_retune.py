@@ -1,9 +1,18 @@
 """Exploration for issue 18 on an H100/H200 (run with OUT set to a folder): sweep 12 fp8 GEMM tiles at
 Llama-3.1-8B's shapes and 64-256 rows, keep the best per (shape, row bucket), then run the nano-vllm throughput
 with that table patched in and with the landed rule (reports/gpu/quantized-llama-3.1-8b/fp8-gemm/)."""
-import json, os, subprocess, sys
-import torch, triton.testing
-from tokenmill.kernels.w8a8_gemm import W8A8GemmConfig as Fp8GemmConfig, w8a8_gemm as fp8_gemm, default_w8a8_gemm_config as default_fp8_gemm_config
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import triton.testing
+
+from tokenmill.kernels.w8a8_gemm import W8A8GemmConfig as Fp8GemmConfig
+from tokenmill.kernels.w8a8_gemm import default_w8a8_gemm_config as default_fp8_gemm_config
+from tokenmill.kernels.w8a8_gemm import w8a8_gemm as fp8_gemm
+
 OUT = os.environ["OUT"]
 SHAPES = {"q/k/v": (6144, 4096), "o": (4096, 4096), "gate/up": (28672, 4096), "down": (4096, 14336)}
 BUCKETS = (64, 128, 178, 256)

@@ -3,6 +3,7 @@ checked against torch for every 8-bit code in every lane. Checks the selectors a
 import numpy as np
 import torch
 
+
 def prmt(a, b, c):
     src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
     out = 0
@@ -53,7 +54,7 @@ def e4m3_to_bf16(r):
     return torch.cat(res)
 
 codes = np.arange(256)
-bad = {k: 0 for k in ("i8f16", "i8f32", "i8bf16", "e4f16", "e4bf16")}
+bad = dict.fromkeys(("i8f16", "i8f32", "i8bf16", "e4f16", "e4bf16"), 0)
 for lane in range(4):
     for c in codes:
         others = [(c * 7 + 13 * j) % 256 for j in range(4)]

@@ -57,7 +57,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 
 try:
-    from tokenmill.kernels.gemv import GemvConfig, default_gemv_config
+    from tokenmill.kernels.gemv import GemvConfig
     from tokenmill.kernels.gemv import gemv as tokenmill_gemv
 
     _TOKENMILL_ERROR = None
@@ -587,7 +587,7 @@ def bench(fn, rep_ms):
         except TypeError:  # a Triton without return_mode
             ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms)
         return ms * 1e3, "graph"
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         torch.cuda.synchronize()
         ms = triton.testing.do_bench(fn, warmup=max(5, rep_ms // 2), rep=rep_ms, return_mode="median")
         return ms * 1e3, f"no-graph({type(exc).__name__})"
@@ -628,7 +628,7 @@ def run_codes_check(variant, dtype, cfgs_by_key, ctx, device, log):
                 expect = w[:, j].float()
                 bad += int((y != expect).sum().item())
             results[cfg] = "ok" if bad == 0 else f"FAILED({bad} of {7 * n} codes wrong)"
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             results[cfg] = "ERROR " + short_err(exc)
     return results
 
@@ -758,7 +758,7 @@ def main():
                         if device == "cuda":
                             torch.cuda.synchronize()
                         err = rel_err(y, ref)
-                    except Exception as exc:  # noqa: BLE001
+                    except Exception as exc:
                         msg = short_err(exc)
                         broken[bkey] = msg
                         print(f"  {sname:8s} {v.name:14s} {cfg_str(cfg):26s} ERROR {msg}")
@@ -780,7 +780,7 @@ def main():
                             us, how = bench(fn, args.rep) if device == "cuda" else fake_bench(fn, cfg)
                             if how != "graph":
                                 status += f" {how}"
-                        except Exception as exc:  # noqa: BLE001
+                        except Exception as exc:
                             status = "ERROR(bench) " + short_err(exc)
                     entry["all"].append((cfg, us, err, status))
                     if args.verbose or tiny:
@@ -897,7 +897,6 @@ def sm90_compile(args):
     import re
 
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", 90, 32)
     wty = {"int8": "*i8", "fp8": "*fp8e4nv"}
@@ -945,7 +944,7 @@ def _compile_one(fn, sig, consts, attrs, target, warps, stages, label, verbose, 
     try:
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         print(f"{label}: COMPILE ERROR {short_err(exc)}")
         if verbose:
             traceback.print_exc()
@@ -965,7 +964,7 @@ def _compile_one(fn, sig, consts, attrs, target, warps, stages, label, verbose, 
             f.write(k.asm["cubin"])
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
         os.unlink(f.name)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         sass = f"(no sass: {exc})"
     ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?",
                                          sass, re.M))

@@ -1,8 +1,10 @@
 """Exploration (CPU): batch-1 decode of the default model with GGUF's float16 group factors (landed) or float32
 ones (``python scripts/experiments/packed_factor_dtype_ab.py half|float``; alternate the two). Not kept."""
 
-import time, statistics, sys
-import torch
+import statistics
+import sys
+import time
+
 import tokenmill.quantization.gguf_packed as gp
 from tokenmill import LLM, SamplingParams
 

@@ -3,8 +3,14 @@ way (commit ee536b8) and the landed one, at SmolLM2 Q4_1 shapes, 1 / 5 / 8 rows,
 turn, as a decode step does), the two libraries alternating, medians; outputs compared bit for bit:
 ``python scripts/experiments/packed_nibble_unpack_calls.py``."""
 
-import time, torch, statistics, subprocess, sys
+import statistics
+import subprocess
+import time
+
+import torch
+
 import tokenmill.quantization.gguf_cpu_kernel as K
+
 old_text = subprocess.run(["git", "show", "ee536b8:src/tokenmill/quantization/gguf_cpu_kernel.py"], capture_output=True, text=True, check=True).stdout
 ns = {}
 exec(old_text.split("\n\n\n@cache", 1)[0], ns)

@@ -3,8 +3,13 @@ landed one, bit for bit and timed at SmolLM2 shapes, then the landed kernel with
 ``python scripts/experiments/packed_one_row_variants.py 2``). The engine-level factor A/B is
 ``packed_factor_dtype_ab.py``. Not kept: see the README (packed GGUF, float32 inputs)."""
 
-import ctypes, time, statistics, sys
+import ctypes
+import statistics
+import sys
+import time
+
 import torch
+
 import tokenmill.quantization.gguf_cpu_kernel as K
 from tokenmill.native import compile_library
 

@@ -20,6 +20,7 @@ AdmissionRule = Literal["fit", "headroom", "lookahead"]
 AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
 StructuredOutputBackendName = Literal["llguidance", "xgrammar"]
 QuantizationMethod = Literal["auto", "none", "int8", "fp8", "gguf"]
+GGUFActivations = Literal["float32", "int16", "int8"]  # what packed GGUF projections' inputs become
 FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_rms_norm",
     "fused_rotary",
@@ -131,12 +132,13 @@ class KernelConfig:
     # float32 projections on CPU through oneDNN with each weight reordered once at start (another copy of
     # the weights in memory); other devices and dtypes keep F.linear. See models/layers/cpu_linear.py.
     prepacked_cpu_linear: bool = True
-    # quantization "gguf" on an AVX2 CPU: each input row rounded to int8 per block of 32 and multiplied
-    # with the 4- / 8-bit codes as integers, as llama.cpp does (quantization/gguf_int8_kernel.py); off,
-    # float32 inputs times the exact float32 weights (the float32 engine's results, up to summation order).
-    # Off by default: it changes the model's outputs (SmolLM2: 93% teacher-forced top-1 agreement with
-    # float32, perplexity +0.6%), and the default path must match transformers (tests/test_gguf.py).
-    gguf_int8_activations: bool = False
+    # quantization "gguf": what a projection's inputs become before the products with the 4- / 8-bit
+    # codes. "float32": times the exact float32 weights (the float32 engine's results up to summation
+    # order: the default matches transformers, tests/test_gguf.py). "int16" / "int8" (AVX2 CPUs): rounded
+    # per block of 32 and multiplied as integers (quantization/gguf_integer_kernel.py), faster: int16 keeps
+    # SmolLM2's greedy tokens and top-1 but moves its logits by up to ~0.02 (beyond that test's 3e-4);
+    # int8, llama.cpp's rounding, moves the top-1 token at 7% of positions.
+    gguf_activations: GGUFActivations = "float32"
     # quantization "gguf": a decode step runs every plain Llama block (no biases, no q/k norms, SwiGLU) in
     # one C call over the same kernels (quantization/gguf_decode_blocks.py), not ~8 module and 5 ctypes
     # calls a block from Python; the same results bit for bit.
@@ -162,6 +164,7 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         require_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton", "cpu"))
+        require_choice("gguf_activations", self.gguf_activations, ("float32", "int16", "int8"))
         for name in (*FUSED_KERNEL_TOGGLES, "programmatic_launch"):
             value = getattr(self, name)
             require(value is None or isinstance(value, bool), name, "None (auto), True or False", value)

@@ -75,10 +75,11 @@ OPTION_HELP: dict[str, str] = {
     "with CUDA + Triton, cpu on cpu where a C compiler is, else torch",
     "prepacked_cpu_linear": "float32 projections on cpu through oneDNN, each weight reordered once at "
     "start (a second copy of the weights in memory)",
-    "gguf_int8_activations": "quantization gguf on an AVX2 cpu: inputs rounded to int8 per block of 32 and "
-    "multiplied with the packed codes as integers (llama.cpp's way: ~3x faster decode; on SmolLM2 the "
-    "top-1 token agrees with float32's at 93 of 100 teacher-forced positions); off: float32 inputs times "
-    "the exact weights",
+    "gguf_activations": "quantization gguf: what each projection's inputs become before the products with "
+    "the packed codes. float32: times the exact weights (matches transformers); int16 / int8 (AVX2 cpus): "
+    "rounded per block of 32 and multiplied as integers, 1.2-1.5x faster decode. int16 keeps SmolLM2's "
+    "greedy and top-1 tokens but moves logits by up to ~0.02; int8 is llama.cpp's rounding (top-1 agrees "
+    "with float32 at 93 of 100 positions)",
     "gguf_decode_blocks": "quantization gguf: a decode step runs every plain Llama block in one C "
     "call over the same kernels (no Python between them); the same results bit for bit",
     "fused_rms_norm": "Triton RMSNorm with the residual add fused in; unset: on with CUDA + Triton",

@@ -17,6 +17,7 @@ from tokenmill.config import (
     FUSED_KERNEL_TOGGLES,
     CudaGraphConfig,
     EngineConfig,
+    GGUFActivations,
     KernelConfig,
     KVCacheConfig,
     QuantizationMethod,
@@ -121,7 +122,9 @@ def _resolve_kernels(config: EngineConfig, platform: Platform) -> KernelConfig:
             f"kv_cache_dtype '{config.kv.kv_cache_dtype}' needs attention_backend 'triton' or 'torch' "
             "(the 'cpu' backend reads K/V in the model's dtype only)"
         )
-    toggles = {name: fast for name in FUSED_KERNEL_TOGGLES if getattr(kernels, name) is None}
+    toggles: dict[str, typing.Any] = {
+        name: fast for name in FUSED_KERNEL_TOGGLES if getattr(kernels, name) is None
+    }
     if backend in ("torch", "cpu"):
         toggles["fused_decode_rotary_kv"] = bool(kernels.fused_decode_rotary_kv)
     pdl = kernels.programmatic_launch
@@ -186,6 +189,19 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
+def gguf_activations(setting: GGUFActivations) -> GGUFActivations:
+    """``setting``, where this CPU runs it: integer inputs need the integer kernel (an AVX2 CPU and a C
+    compiler), and are refused where it cannot be built."""
+    from tokenmill.quantization.gguf_packed import activations_available  # imports gguf: only when asked
+
+    if not activations_available(setting):
+        raise ValueError(
+            f"gguf_activations {setting!r} needs the integer kernel, which needs an AVX2 CPU and a C "
+            "compiler (this machine cannot build it); use 'float32'"
+        )
+    return setting
+
+
 def kernel_options_for(config: EngineConfig, device: torch.device) -> KernelOptions:
     """The kernels a resolved ``config`` binds into the model on ``device`` (every rank binds the same)."""
     kernels = config.kernels
@@ -199,7 +215,7 @@ def kernel_options_for(config: EngineConfig, device: torch.device) -> KernelOpti
         kernels.programmatic_launch,
         prepacked_cpu_linear=kernels.prepacked_cpu_linear,
         gguf_packed=packed_gguf,
-        gguf_int8_activations=packed_gguf and kernels.gguf_int8_activations,
+        gguf_activations=gguf_activations(kernels.gguf_activations) if packed_gguf else "float32",
         gguf_decode_blocks=packed_gguf and kernels.gguf_decode_blocks,
         w8a8=kernels.fused_w8a8,
     )

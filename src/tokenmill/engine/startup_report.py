@@ -52,7 +52,7 @@ def describe_startup(
 def _weights(config: EngineConfig, kernels: KernelOptions) -> list[str]:
     """The quantization the model runs in, where it is one (``auto`` resolved)."""
     if config.quantization == "gguf":
-        return [f"weights gguf packed, {'int8' if kernels.gguf_int8_activations else 'float32'} inputs"]
+        return [f"weights gguf packed, {kernels.gguf_activations} inputs"]
     return [] if config.quantization == "none" else [f"weights {config.quantization}"]
 
 

@@ -9,12 +9,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from tokenmill.config import GGUFActivations
 from tokenmill.kernels import interpreter_enabled, triton_available
 
 # Rows (tokens) a projection may have to go through tokenmill.kernels.gemv; more go to cuBLAS, which reads
 # the weights once for all of them.
 GEMV_MAX_ROWS = 1
-_NOT_KERNELS = ("pdl", "prepacked_cpu_linear", "gguf_packed", "gguf_int8_activations", "gguf_decode_blocks")
+_NOT_KERNELS = ("pdl", "prepacked_cpu_linear", "gguf_packed", "gguf_activations", "gguf_decode_blocks")
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,9 @@ class KernelOptions:
     # The projections are packed GGUF blocks on the CPU (quantization "gguf"): the norm or gated activation
     # before one runs inside its C call (quantization/gguf_prologue.py).
     gguf_packed: bool = False
-    # With gguf_packed: inputs rounded to int8 per block of 32 and integer products
-    # (quantization/gguf_int8_kernel.py) where the CPU has AVX2; off, float32 inputs.
-    gguf_int8_activations: bool = False
+    # With gguf_packed: "float32" inputs, or "int16" / "int8" ones, rounded per block of 32 and multiplied
+    # as integers (quantization/gguf_integer_kernel.py; AVX2 CPUs).
+    gguf_activations: GGUFActivations = "float32"
     # With gguf_packed: decode steps through every plain Llama block in one C call
     # (quantization/gguf_decode_blocks.py).
     gguf_decode_blocks: bool = False
@@ -56,7 +57,7 @@ class KernelOptions:
         prepacked_cpu_linear: bool = False,
         w8a8: bool | None = None,
         gguf_packed: bool = False,
-        gguf_int8_activations: bool = False,
+        gguf_activations: GGUFActivations = "float32",
         gguf_decode_blocks: bool = False,
     ) -> "KernelOptions":
         """Options for a model on ``device``; see the module docstring for None / True / False.
@@ -71,7 +72,7 @@ class KernelOptions:
             pdl=resolve_pdl(pdl, device),
             prepacked_cpu_linear=prepacked_cpu_linear,
             gguf_packed=gguf_packed,
-            gguf_int8_activations=gguf_int8_activations,
+            gguf_activations=gguf_activations,
             gguf_decode_blocks=gguf_decode_blocks,
         )
 

@@ -119,7 +119,7 @@ def packs_by_default(source: "Checkpoint | DummySource", device: torch.device, d
     """``auto``'s choice: keep a GGUF file's blocks packed (``gguf``) where that is the fast path with the
     same weights: a float32 model on the CPU, every projection in a format the packed kernel reads, and
     the kernel built. Decode then reads the 4- and 8-bit codes instead of float32 copies (SmolLM2 Q4_1: 0.6
-    bytes a weight, not 4); the inputs stay float32 unless ``gguf_int8_activations`` is asked for."""
+    bytes a weight, not 4); the inputs become int16 per block of 32 on AVX2 CPUs (``gguf_activations``)."""
     from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
     from tokenmill.quantization.gguf_cpu_kernel import load_kernel
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention import AttentionLayer
+from tokenmill.config import GGUFActivations
 from tokenmill.distributed import divide, kv_head_shard, tp_rank, tp_world_size
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.models.base import CausalLM
@@ -238,25 +239,21 @@ class LlamaModel(FusableLayer):
         one C call where every block is a plain Llama one (see ``quantization/gguf_decode_blocks.py``)."""
         self._decode_blocks: Any = None
         if options.gguf_packed and options.gguf_decode_blocks:
-            self._decode_blocks = self._plain_blocks(options.gguf_int8_activations)
+            self._decode_blocks = self._plain_blocks(options.gguf_activations)
 
-    def _plain_blocks(self, int8_activations: bool) -> Any:
+    def _plain_blocks(self, activations: GGUFActivations) -> Any:
         from tokenmill.quantization.gguf_decode_blocks import DecodeBlocks
 
         first = self.layers[0]
         assert isinstance(first, LlamaDecoderLayer)
         rotary = first.self_attn.rotary_emb  # one table, shared by every block
         table = rotary.cos_sin_cache
-        if (
-            tp_world_size() != 1
-            or not DecodeBlocks.available(int8_activations)
-            or table.dtype != torch.float32
-        ):
+        if tp_world_size() != 1 or not DecodeBlocks.available(activations) or table.dtype != torch.float32:
             return None
         if rotary.rotary_dim != first.self_attn.attn.spec.head_dim:
             return None
         blocks = [_plain_block(layer) for layer in self.layers]
-        return None if any(b is None for b in blocks) else DecodeBlocks(blocks, table, int8_activations)
+        return None if any(b is None for b in blocks) else DecodeBlocks(blocks, table, activations)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

@@ -4,9 +4,10 @@ At batch 1 of SmolLM2 the C kernels of a step (121 int8 projections, 30 attentio
 Python around them another ~4: each block is eight module calls, five ctypes calls with their argument
 conversions, views and output allocations. This call runs the blocks' sequence in C, calling the very
 same kernels with the same arguments in the same order (the projection function the layers call, with
-its norm and SwiGLU prologues: ``gguf_linear_prologue`` for float32 inputs, ``gguf_linear_int8`` with
-``gguf_int8_activations``; the decode attention of ``attention/cpu_kernel.py``; reached through function
-pointers), so its results are the Python path's bit for bit.
+its norm and SwiGLU prologues: ``gguf_linear_prologue`` for float32 inputs, ``gguf_linear_int16`` /
+``gguf_linear_int8`` for integer ones, as ``gguf_activations`` says; the decode attention of
+``attention/cpu_kernel.py``; reached through function pointers), so its results are the Python path's
+bit for bit.
 
 It takes plain Llama blocks only (no biases, no q/k norms, SwiGLU, unsharded, every projection one packed
 weight, whole-head rotary in a float32 table) in steps the C attention takes (up to 16 new tokens per
@@ -25,6 +26,7 @@ from tokenmill.attention.backend import AttentionLayer
 from tokenmill.attention.cpu_backend import CpuAttentionBackend, decode_arrays, runs_in_c
 from tokenmill.attention.cpu_kernel import load_decode_attention
 from tokenmill.attention.forward_context import get_forward_context
+from tokenmill.config import GGUFActivations
 from tokenmill.native import compile_library
 from tokenmill.quantization.gguf_packed import DEQUANTIZED_MIN_ROWS, PackedWeight, fused_kernel
 from tokenmill.quantization.gguf_prologue import RMS_NORM, SILU_GATE
@@ -155,12 +157,14 @@ def _projection(weight: PackedWeight) -> _Projection:
 class DecodeBlocks:
     """The C decode loop over a model's blocks; :meth:`run` returns None for steps it does not take."""
 
-    def __init__(self, blocks: list[BlockWeights], cos_sin: torch.Tensor, int8_activations: bool) -> None:
+    def __init__(
+        self, blocks: list[BlockWeights], cos_sin: torch.Tensor, activations: GGUFActivations
+    ) -> None:
         self.blocks = blocks
         self.cos_sin = cos_sin.contiguous()
-        self.int8_activations = int8_activations
+        self.activations = activations
         # the functions the loop calls (the projection the layers' fused path calls), resolved once
-        linear, attend = fused_kernel(int8_activations), load_decode_attention()
+        linear, attend = fused_kernel(activations), load_decode_attention()
         assert linear is not None and attend is not None  # the model checked available() first
         self._linear = ctypes.cast(linear, _P).value
         self._attend = ctypes.cast(attend.decode_attention, _P).value
@@ -169,11 +173,11 @@ class DecodeBlocks:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "DecodeBlocks":
         # ctypes structures are rebuilt, not copied
-        return DecodeBlocks(self.blocks, self.cos_sin, self.int8_activations)
+        return DecodeBlocks(self.blocks, self.cos_sin, self.activations)
 
     @staticmethod
-    def available(int8_activations: bool) -> bool:
-        kernels = (_load_library(), fused_kernel(int8_activations), load_decode_attention())
+    def available(activations: GGUFActivations) -> bool:
+        kernels = (_load_library(), fused_kernel(activations), load_decode_attention())
         return all(kernel is not None for kernel in kernels)
 
     def run(
@@ -188,7 +192,7 @@ class DecodeBlocks:
             return None
         if embeddings.dtype != torch.float32 or embeddings.dim() != 2:
             return None
-        if not self.int8_activations and embeddings.shape[0] >= DEQUANTIZED_MIN_ROWS:
+        if self.activations == "float32" and embeddings.shape[0] >= DEQUANTIZED_MIN_ROWS:
             return None
         width = self.blocks[0].qkv.out_features
         probe = embeddings.new_empty(embeddings.shape[0], width)

@@ -8,11 +8,11 @@ rows (and, row-parallel, its block-aligned columns) as blocks, and once every ro
 packs them (:func:`pack_parts`: one weight per run of parts in one format). ``layer.weight`` is a
 placeholder with no columns: the engine only asks it for its device and dtype.
 
-CPU only (the kernels are C loops). The weights are bit-identical to the float32 dequantized ones; with
-``KernelOptions.gguf_int8_activations`` (asked for; AVX2 CPUs) the inputs are rounded to int8 per
-block of 32 and multiplied as integers (``gguf_int8_kernel.py``); off, float32 inputs give the float32
-engine's results up to summation order. Either way :func:`fused_packed_linear` lets the norm or
-activation before a projection run in the same C call.
+CPU only (the kernels are C loops). The weights are bit-identical to the float32 dequantized ones;
+``KernelOptions.gguf_activations`` says what the inputs become: ``int16`` (the default on AVX2 CPUs) or
+``int8``, rounded per block of 32 and multiplied as integers (``gguf_integer_kernel.py``), or
+``float32``, which gives the float32 engine's results up to summation order. Either way
+:func:`fused_packed_linear` lets the norm or activation before a projection run in the same C call.
 """
 
 from functools import partial
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.kernels.options import KernelOptions
+from tokenmill.kernels.options import GGUFActivations, KernelOptions
 from tokenmill.quantization.gguf_blocks import SUPPORTED_QTYPES, GGUFBlocks
 from tokenmill.quantization.gguf_packed import PackedRows, PackedWeight, pack_parts
 from tokenmill.quantization.gguf_prologue import NormPrologue
@@ -70,13 +70,13 @@ def packed_numel(module: nn.Module) -> int:
     return 0 if packed is None else packed.out_features * packed.in_features
 
 
-def _packed_linear(layer: ProjectionLayer, int8_activations: bool, x: torch.Tensor) -> torch.Tensor:
-    out = packed_weight(layer).linear(x, layer.local_bias(), int8_activations)
+def _packed_linear(layer: ProjectionLayer, activations: GGUFActivations, x: torch.Tensor) -> torch.Tensor:
+    out = packed_weight(layer).linear(x, layer.local_bias(), activations)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def fused_packed_linear(
-    layer: nn.Module, x: torch.Tensor, prologue: int | NormPrologue, int8_activations: bool
+    layer: nn.Module, x: torch.Tensor, prologue: int | NormPrologue, activations: GGUFActivations
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A GGUF-packed layer's projection of the rows ``prologue`` forms from ``x``, in one kernel call
     (:meth:`PackedWeight.fused_linear`); None where the layer is not one packed weight in float32 or the
@@ -86,7 +86,7 @@ def fused_packed_linear(
         return None
     if isinstance(prologue, NormPrologue) and prologue.weight.dtype != torch.float32:
         return None
-    result = packed.fused_linear(x, prologue, layer.local_bias(), int8_activations)  # type: ignore[operator]
+    result = packed.fused_linear(x, prologue, layer.local_bias(), activations)  # type: ignore[operator]
     if result is None:
         return None
     return layer.reduce(result[0]), result[1]  # type: ignore[operator]
@@ -138,7 +138,7 @@ class GGUFLinearMethod(LinearMethod):
 
     def matmul_path(self, layer: ProjectionLayer, options: KernelOptions) -> MatmulPath:
         # Bound at construction too, before loading: the packed weight is looked up per call.
-        return partial(_packed_linear, layer, options.gguf_int8_activations)
+        return partial(_packed_linear, layer, options.gguf_activations)
 
     def dequantized_weight(self, layer: ProjectionLayer, dtype: torch.dtype) -> torch.Tensor:
         return packed_weight(layer).dequantize().to(dtype)

@@ -15,9 +15,10 @@ Exactness: the weights are bit-identical to gguf-py's dequantized float32 (a one
 weight column exactly); results differ from ``F.linear`` on those weights by float32 summation order only.
 Below ``DEQUANTIZED_MIN_ROWS`` rows each output element is one reduction over the input, in an order fixed
 by the kernel, so a row's result does not depend on how many rows share the call (the same discipline as
-``prepacked_cpu_linear``). ``int8_activations`` (``gguf_int8_kernel.py``) rounds the inputs instead,
-llama.cpp's way: same codes, integer products, the same batch independence (calls of many rows take the
-float32 weights through BLAS in either mode).
+``prepacked_cpu_linear``). Integer ``activations`` (``gguf_integer_kernel.py``: ``int16``, the default on
+AVX2 CPUs, or llama.cpp's ``int8``) round the inputs per block of 32 instead: same codes, integer
+products, the same batch independence (calls of many rows take the float32 weights through BLAS in every
+mode).
 """
 
 import ctypes
@@ -30,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from tokenmill.config import GGUFActivations
 from tokenmill.quantization.gguf_blocks import DecodedBlocks, GGUFBlocks, concat_rows, decode_blocks
 from tokenmill.quantization.gguf_cpu_kernel import load_kernel, run_dequantize, run_kernel
-from tokenmill.quantization.gguf_int8_kernel import load_int8_kernel
+from tokenmill.quantization.gguf_integer_kernel import integer_function, load_integer_kernel
 from tokenmill.quantization.gguf_prologue import NormPrologue, run_fused
 
 # Steps of at least this many input rows (prefill chunks, large batches) multiply the float32 weight,
@@ -43,13 +45,22 @@ DEQUANTIZED_MIN_ROWS = 32
 _DEQUANTIZED_SLICE = 1 << 22  # float32 weights formed at a time (16 MiB)
 
 
-def fused_kernel(int8_activations: bool) -> Any | None:
-    """The C function with ``gguf_prologue.py``'s calling convention: inputs rounded to int8
-    (``gguf_linear_int8``) or kept float32 (``gguf_linear_prologue``); None where it is not built."""
-    library = load_int8_kernel() if int8_activations else load_kernel()
-    if library is None:
-        return None
-    return library.gguf_linear_int8 if int8_activations else library.gguf_linear_prologue
+_INTEGER_BITS = {"int16": 16, "int8": 8}
+
+
+def fused_kernel(activations: GGUFActivations) -> Any | None:
+    """The C function with ``gguf_prologue.py``'s calling convention for ``activations``: float32 inputs
+    (``gguf_linear_prologue``) or integer ones (``gguf_linear_int16`` / ``gguf_linear_int8``); None where
+    it is not built."""
+    if activations == "float32":
+        library = load_kernel()
+        return None if library is None else library.gguf_linear_prologue
+    return integer_function(_INTEGER_BITS[activations])
+
+
+def activations_available(activations: GGUFActivations) -> bool:
+    """Whether this CPU runs ``activations`` (float32 inputs: always, through PyTorch at worst)."""
+    return activations == "float32" or load_integer_kernel(_INTEGER_BITS[activations]) is not None
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,23 +98,23 @@ class PackedWeight:
         return self.codes.nbytes + self.scale.nbytes + extra
 
     def linear(
-        self, x: torch.Tensor, bias: torch.Tensor | None = None, int8_activations: bool = False
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, activations: GGUFActivations = "float32"
     ) -> torch.Tensor:
         """``F.linear(x, self.dequantize(), bias)`` for float32 ``x`` of shape ``[..., in_features]``,
-        without storing the float32 weight; with ``int8_activations`` (where the CPU has AVX2), ``x``
-        rounded to int8 per block of 32 (``gguf_int8_kernel.py``) in calls of fewer than
+        without storing the float32 weight; with integer ``activations`` (where the CPU has AVX2), ``x``
+        rounded per block of 32 (``gguf_integer_kernel.py``) in calls of fewer than
         ``DEQUANTIZED_MIN_ROWS`` rows."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features; the weight takes {self.in_features}")
         rows = x.reshape(-1, self.in_features).float().contiguous()
-        int8_function = fused_kernel(True) if int8_activations else None
+        integer = None if activations == "float32" else fused_kernel(activations)
         library = load_kernel()
         if library is None:  # no compiler: the same weights, through a float32 copy made per call
             out = F.linear(rows, self.dequantize())
         elif rows.shape[0] >= DEQUANTIZED_MIN_ROWS:
             out = self._dequantized_linear(library, rows)
-        elif int8_function is not None:
-            out, _ = run_fused(int8_function, rows, self.codes, self.scale, self.offset, self.group)
+        elif integer is not None:
+            out, _ = run_fused(integer, rows, self.codes, self.scale, self.offset, self.group)
         else:
             out = run_kernel(library, rows, self.codes, self.scale, self.offset, self.group)
         if bias is not None:
@@ -115,13 +126,13 @@ class PackedWeight:
         x: torch.Tensor,
         prologue: int | NormPrologue,
         bias: torch.Tensor | None = None,
-        int8_activations: bool = False,
+        activations: GGUFActivations = "float32",
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The projection of the rows ``prologue`` forms from float32 ``x`` (``[..., K]``, ``[..., 2K]``
-        for a gate) in one C call (``gguf_prologue.py``), the inputs rounded to int8 with
-        ``int8_activations``, and for a norm ``x + residual``; None where that kernel is not built or the
-        call has ``DEQUANTIZED_MIN_ROWS`` rows or more (the caller runs the prologue and :meth:`linear`)."""
-        function = fused_kernel(int8_activations)
+        for a gate) in one C call (``gguf_prologue.py``), the inputs as ``activations`` says, and for a
+        norm ``x + residual``; None where that kernel is not built or the call has
+        ``DEQUANTIZED_MIN_ROWS`` rows or more (the caller runs the prologue and :meth:`linear`)."""
+        function = fused_kernel(activations)
         if function is None or x.numel() >= DEQUANTIZED_MIN_ROWS * x.shape[-1]:
             return None
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
@@ -212,9 +223,9 @@ class PackedRows:
         return sum(part.nbytes for part in self.parts)
 
     def linear(
-        self, x: torch.Tensor, bias: torch.Tensor | None = None, int8_activations: bool = False
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, activations: GGUFActivations = "float32"
     ) -> torch.Tensor:
-        out = torch.cat([part.linear(x, None, int8_activations) for part in self.parts], dim=-1)
+        out = torch.cat([part.linear(x, None, activations) for part in self.parts], dim=-1)
         return out if bias is None else out + bias
 
     def dequantize(self) -> torch.Tensor:

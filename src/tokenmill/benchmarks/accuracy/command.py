@@ -7,9 +7,12 @@ the unquantized model and each mode score the same text with teacher forcing (se
 * ``fp8``: per-channel e4m3 weights, weight-only (dequantized in PyTorch);
 * ``fp8-w8a8``: the same weights with every projection's input rounded per token to e4m3 (dynamic
   scales), as a W8A8 GEMM computes, emulated in PyTorch;
-* ``gguf``: the GGUF blocks kept packed, when that path is built (skipped otherwise), float32 inputs;
-* ``gguf-int8``: the same with each projection's input rounded to int8 per block of 32 and multiplied as
-  integers (``gguf_int8_activations``, which the engine takes only when asked).
+* ``gguf-float32``: the GGUF blocks kept packed, when that path is built (skipped otherwise), float32
+  inputs;
+* ``gguf-int16`` / ``gguf-int8``: the same with each projection's input rounded to 16- / 8-bit integers
+  per block of 32 and multiplied as integers (``gguf_activations``: int16 is the default on AVX2 CPUs,
+  int8 is llama.cpp's rounding). The packed modes score through chunks of ``DECODE_CHUNK_TOKENS``, so
+  that every position goes through the kernels a decode step runs.
 
 Reported: perplexity and its change against the unquantized model, top-1 agreement (the share of text
 positions whose argmax equals the unquantized model's), the targets of issue 18 (int8: perplexity within
@@ -27,6 +30,8 @@ import torch
 
 from tokenmill.benchmarks.accuracy.arguments import add_accuracy_arguments as add_arguments
 from tokenmill.benchmarks.accuracy.measure import (
+    CHUNK_TOKENS,
+    DECODE_CHUNK_TOKENS,
     GreedyComparison,
     Scored,
     compare_greedy,
@@ -53,11 +58,15 @@ MODE_CONFIGS: dict[str, QuantizationConfig | str] = {
     "int8": QuantizationConfig("int8"),
     "fp8": QuantizationConfig("fp8"),
     "fp8-w8a8": QuantizationConfig("fp8", dynamic_activations=True),
-    "gguf": "gguf",
+    "gguf-float32": "gguf",
+    "gguf-int16": "gguf",
     "gguf-int8": "gguf",
 }
 # Modes that differ from another only in the kernels the model binds (the rest run plain PyTorch layers).
-MODE_KERNELS: dict[str, KernelOptions] = {"gguf-int8": KernelOptions(gguf_int8_activations=True)}
+MODE_KERNELS: dict[str, KernelOptions] = {
+    f"gguf-{inputs}": KernelOptions(gguf_packed=True, gguf_activations=inputs)
+    for inputs in ("float32", "int16", "int8")
+}
 # (largest perplexity change, smallest top-1 agreement) from issue 18
 TARGETS: dict[str, tuple[float, float]] = {
     "int8": (0.01, 0.96),
@@ -120,7 +129,8 @@ def model_section(args: argparse.Namespace, model: str) -> list[str]:
 def measure(
     args: argparse.Namespace, mode: str, loaded: LoadedModel, tokens: list[int], prompts: list[list[int]]
 ) -> ModeResult:
-    scored = score_text(loaded.model, tokens, args.window)
+    chunk = DECODE_CHUNK_TOKENS if mode in MODE_KERNELS else CHUNK_TOKENS
+    scored = score_text(loaded.model, tokens, args.window, chunk)
     greedy = greedy_continuations(loaded.model, prompts, args.greedy_tokens)
     print(f"{loaded.source} {mode}: perplexity {scored.perplexity:.3f} ({scored.seconds:.1f} s)", flush=True)
     return ModeResult(mode, scored, greedy, linear_weight_bytes(loaded.model))

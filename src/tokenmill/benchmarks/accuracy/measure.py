@@ -17,6 +17,9 @@ from tokenmill.models import CausalLM
 from tokenmill.reference import SingleSequenceRunner, greedy_generate
 
 CHUNK_TOKENS = 128  # positions scored per forward pass (bounds the [chunk, vocab] logits)
+# Packed GGUF modes score in chunks below the packed kernels' BLAS threshold (DEQUANTIZED_MIN_ROWS), so
+# every position goes through the kernels a decode step runs, with their rounding of the inputs.
+DECODE_CHUNK_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -42,14 +45,14 @@ class Scored:
         return float((self.predictions == self.targets).float().mean())
 
 
-def score_text(model: CausalLM, token_ids: Sequence[int], window: int) -> Scored:
+def score_text(model: CausalLM, token_ids: Sequence[int], window: int, chunk: int = CHUNK_TOKENS) -> Scored:
     start = time.perf_counter()
     nll, predictions, targets = 0.0, [], []
     for first in range(0, len(token_ids) - 1, window):
         piece = list(token_ids[first : first + window + 1])
         runner = SingleSequenceRunner(model, len(piece) - 1)
-        for offset in range(0, len(piece) - 1, CHUNK_TOKENS):
-            inputs = piece[offset : offset + CHUNK_TOKENS]
+        for offset in range(0, len(piece) - 1, chunk):
+            inputs = piece[offset : offset + chunk]
             expected = torch.tensor(piece[offset + 1 : offset + 1 + len(inputs)])
             logits = runner.forward_all(inputs[: len(expected)]).float().cpu()
             log_probs = torch.log_softmax(logits, dim=-1)

@@ -5,6 +5,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -78,16 +79,18 @@ def _tokenmill_run(llm: object, prompts: list[list[int]], new_tokens: int) -> De
 
 
 def _print_layers(timings: list[LayerTiming]) -> None:
-    print(f"{'projection':>10} {'qtype':>6} {'shape':>11} {'rows':>4} {'packed us':>9} {'int8 us':>8} "
-          f"{'f32 us':>8} {'speedup':>7} {'int8 x':>7} {'B/weight':>8}")  # fmt: skip
+    print(f"{'projection':>10} {'qtype':>6} {'shape':>11} {'rows':>4} {'packed us':>9} {'int16 us':>8} "
+          f"{'int8 us':>8} {'f32 us':>8} {'speedup':>7} {'int16 x':>7} {'int8 x':>7} "
+          f"{'B/weight':>8}")  # fmt: skip
     for t in timings:
         shape, per_weight = (
             f"{t.out_features}x{t.in_features}",
             t.packed_bytes / t.out_features / t.in_features,
         )
         print(f"{t.name:>10} {t.qtype:>6} {shape:>11} {t.rows:>4} {t.packed_s * 1e6:>9.1f} "
-              f"{t.packed_int8_s * 1e6:>8.1f} {t.float32_s * 1e6:>8.1f} {t.speedup:>7.2f} "
-              f"{t.int8_speedup:>7.2f} {per_weight:>8.3f}")  # fmt: skip
+              f"{t.packed_int16_s * 1e6:>8.1f} {t.packed_int8_s * 1e6:>8.1f} {t.float32_s * 1e6:>8.1f} "
+              f"{t.speedup:>7.2f} {t.int16_speedup:>7.2f} {t.int8_speedup:>7.2f} "
+              f"{per_weight:>8.3f}")  # fmt: skip
 
 
 def _first_divergence(ours: DecodeRun, reference: DecodeRun) -> int | None:
@@ -142,45 +145,45 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * source.numel() * 4 / best
 
 
+# tokenmill's engines on the file, each against float32 weights' greedy tokens: (key, label, quantization,
+# gguf_activations); the default is what a user gets with no flags.
+VARIANTS = (
+    ("float32", "float32 weights", "none", "float32"),
+    ("default", "default (gguf, float32 inputs)", "auto", "float32"),
+    ("gguf_int16_inputs", "gguf, int16 inputs", "gguf", "int16"),
+    ("gguf_int8_inputs", "gguf, int8 inputs", "gguf", "int8"),
+)
+RATIOS = ("default", "gguf_int16_inputs", "gguf_int8_inputs")  # engines whose ratio to llama.cpp is shown
+
+
 def _decode_runs(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
-    """Per batch size: tokenmill float32 (the dequantized weights), tokenmill ``quantization="gguf"`` and
-    llama.cpp on the same file; greedy tokens compared with tokenmill float32."""
-    engines: dict[str, Any] = {"float32": _engine(path, "none", args)}
-    tokenizer = engines["float32"].get_tokenizer()
-    token_ids = tokenizer.encode(TEXT)
-    prompts = {count: _prompts(token_ids, count, args.prompt_len) for count in args.sequences}
-
-    def best(runs: "Callable[[list[list[int]]], DecodeRun]", count: int) -> DecodeRun:
-        return min((runs(prompts[count]) for _ in range(args.repeats)), key=lambda run: run.decode_s)
-
-    float32 = {
-        c: best(lambda b: _tokenmill_run(engines["float32"], b, args.new_tokens), c) for c in args.sequences
-    }
-    del engines["float32"]
-    float_inputs_llm = _engine(path, "auto", args)  # the default: packed codes, float32 inputs
-    float_inputs = {
-        c: best(lambda b: _tokenmill_run(float_inputs_llm, b, args.new_tokens), c) for c in args.sequences
-    }
-    packed_llm = _engine(path, "gguf", args, gguf_int8_activations=True)
-    packed = {c: best(lambda b: _tokenmill_run(packed_llm, b, args.new_tokens), c) for c in args.sequences}
-    step_bytes = _weight_bytes(packed_llm)
+    """Per batch size: each of tokenmill's ``VARIANTS`` and llama.cpp on the same file, greedy tokens
+    compared with tokenmill float32 weights'."""
+    runs: dict[str, dict[int, DecodeRun]] = {}
+    prompts: dict[int, list[list[int]]] = {}
+    step_bytes = 0
+    for key, _, quantization, activations in VARIANTS:
+        llm = _engine(path, quantization, args, gguf_activations=activations)
+        if not prompts:
+            token_ids = llm.get_tokenizer().encode(TEXT)  # type: ignore[attr-defined]
+            prompts = {count: _prompts(token_ids, count, args.prompt_len) for count in args.sequences}
+        generate = partial(_tokenmill_run, llm, new_tokens=args.new_tokens)
+        runs[key] = {c: _best(generate, prompts[c], args.repeats) for c in args.sequences}
+        if key == "default":
+            step_bytes = _weight_bytes(llm)
+            print(f"default: {_describe(llm)}", flush=True)
     peer = None if args.no_peer else LlamaCpp(path, max(args.sequences), args.prompt_len + args.new_tokens,
                                               args.threads)  # fmt: skip
     lines: list[dict] = []
     for count in args.sequences:
-        line: dict[str, Any] = {
-            "sequences": count,
-            "tokenmill_float32": float32[count].decode_tokens_per_s,
-            "tokenmill_gguf_float_inputs": float_inputs[count].decode_tokens_per_s,
-            "gguf_float_inputs_first_divergence": _first_divergence(float_inputs[count], float32[count]),
-            "tokenmill_gguf": packed[count].decode_tokens_per_s,
-            "gguf_first_divergence": _first_divergence(packed[count], float32[count]),
-            "gguf_weight_bytes_per_step": step_bytes,
-        }
+        line: dict[str, Any] = {"sequences": count, "gguf_weight_bytes_per_step": step_bytes}
+        for key, *_ in VARIANTS:
+            line[f"tokenmill_{key}"] = runs[key][count].decode_tokens_per_s
+            line[f"{key}_first_divergence"] = _first_divergence(runs[key][count], runs["float32"][count])
         if peer is not None:
-            theirs = best(lambda batch: peer.generate(batch, args.new_tokens), count)
+            theirs = _best(partial(peer.generate, new_tokens=args.new_tokens), prompts[count], args.repeats)
             line["llama_cpp"] = theirs.decode_tokens_per_s
-            line["llama_cpp_first_divergence"] = _first_divergence(theirs, float32[count])
+            line["llama_cpp_first_divergence"] = _first_divergence(theirs, runs["float32"][count])
         lines.append(line)
         print("decode tok/s: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                           for k, v in line.items()), flush=True)  # fmt: skip
@@ -189,36 +192,48 @@ def _decode_runs(args: argparse.Namespace, path: Path) -> list[dict[str, Any]]:
     return lines
 
 
+def _best(
+    generate: Callable[[list[list[int]]], DecodeRun], prompts: list[list[int]], repeats: int
+) -> DecodeRun:
+    """The fastest decode of ``repeats`` runs of ``prompts``."""
+    return min((generate(prompts) for _ in range(repeats)), key=lambda run: run.decode_s)
+
+
+def _describe(llm: object) -> str:
+    """The default engine's weights and inputs as resolved on this machine."""
+    from tokenmill.llm import LLM
+
+    assert isinstance(llm, LLM)
+    options = llm.engine.kernel_options
+    if not options.gguf_packed:
+        return "float32 weights"
+    return f"gguf packed, {options.gguf_activations} inputs, decode blocks {options.gguf_decode_blocks}"
+
+
 def _report(args: argparse.Namespace, path: Path, lines: list[dict[str, Any]], bandwidth: float) -> str:
-    """The decode table as markdown: each engine's tok/s, the ratio to llama.cpp, the first greedy
-    divergence from float32, and the packed engine's weight bytes per second as a share of the copy
-    bandwidth."""
-    rows = []
+    """Two tables: each engine's decode tok/s with the packed engines' ratios to llama.cpp and the
+    default's weight bytes per second as a share of the copy bandwidth; then each engine's first greedy
+    divergence from float32 weights."""
+    speed_rows, greedy_rows = [], []
     for line in lines:
-        peer, gguf = line.get("llama_cpp"), line["tokenmill_gguf"]
-        share = gguf / line["sequences"] * line["gguf_weight_bytes_per_step"] / bandwidth
-        default = line["tokenmill_gguf_float_inputs"]
-        rows.append([
-            str(line["sequences"]), f"{line['tokenmill_float32']:.1f}", f"{default:.1f}", f"{gguf:.1f}",
-            "-" if peer is None else f"{peer:.1f}", "-" if peer is None else f"{default / peer:.2f}x",
-            "-" if peer is None else f"{gguf / peer:.2f}x",
-            _divergence(line.get("gguf_float_inputs_first_divergence")),
-            _divergence(line.get("gguf_first_divergence")),
-            _divergence(line.get("llama_cpp_first_divergence")), f"{share:.0%}",
-        ])  # fmt: skip
-    headers = [
+        peer = line.get("llama_cpp")
+        share = line["tokenmill_default"] / line["sequences"] * line["gguf_weight_bytes_per_step"] / bandwidth
+        speeds = [f"{line[f'tokenmill_{key}']:.1f}" for key, *_ in VARIANTS]
+        ratios = ["-" if peer is None else f"{line[f'tokenmill_{key}'] / peer:.2f}x" for key in RATIOS]
+        peer_speed = "-" if peer is None else f"{peer:.1f}"
+        speed_rows.append([str(line["sequences"]), *speeds, peer_speed, *ratios, f"{share:.0%}"])
+        greedy = [_divergence(line.get(f"{key}_first_divergence")) for key, *_ in VARIANTS[1:]]
+        peer_greedy = _divergence(line.get("llama_cpp_first_divergence"))
+        greedy_rows.append([str(line["sequences"]), *greedy, peer_greedy])
+    labels = {key: label for key, label, *_ in VARIANTS}
+    speed_headers = [
         "sequences",
-        "tokenmill float32 weights",
-        "tokenmill default (gguf, float32 inputs)",
-        "tokenmill gguf, int8 inputs",
+        *(f"tokenmill {label}" for label in labels.values()),
         "llama.cpp",
-        "default / llama.cpp",
-        "int8 inputs / llama.cpp",
-        "default vs float32 greedy",
-        "int8 inputs vs float32 greedy",
-        "llama.cpp vs float32 greedy",
-        "weight bytes / copy bandwidth",
+        *(f"{labels[key]} / llama.cpp" for key in RATIOS),
+        "default's weight bytes / copy bandwidth",
     ]
+    greedy_headers = ["sequences", *(labels[key] for key, *_ in VARIANTS[1:]), "llama.cpp"]
     return "\n".join([
         f"# tokenmill GGUF on the CPU vs llama.cpp ({path.name})", "",
         f"- workload: {args.prompt_len}-token prompts (windows of one text), {args.new_tokens} new tokens, "
@@ -226,15 +241,16 @@ def _report(args: argparse.Namespace, path: Path, lines: list[dict[str, Any]], b
         "threads for every engine",
         "- peer: llama.cpp (llama-cpp-python) on the same file, in the same process",
         f"- copy bandwidth (torch, {args.threads} threads, 512 MiB): {bandwidth / 1e9:.1f} GB/s", "",
-        markdown_table(headers, rows), "",
-        "- greedy: the first output position where a sequence's tokens differ from tokenmill float32's "
-        "(= where none do)",
-        "- tokenmill float32 weights: `quantization=\"none\"` (the file dequantized, oneDNN); default: "
-        "`quantization` auto, which keeps a .gguf file's codes packed on the CPU, float32 inputs times the "
-        "exact float32 weights; int8 inputs: `gguf_int8_activations=True`, each input row rounded to int8 "
-        "per block of 32 and multiplied as integers, as llama.cpp does; both gguf engines run decode steps "
-        "through the plain Llama blocks in one C call (`gguf_decode_blocks`)",
-        "- weight bytes / copy bandwidth: the packed engine's weight bytes read per step times steps per "
+        markdown_table(speed_headers, speed_rows), "",
+        "Greedy tokens: the first output position where a sequence's tokens differ from tokenmill float32 "
+        "weights' (= where none do):", "",
+        markdown_table(greedy_headers, greedy_rows), "",
+        "- tokenmill float32 weights: `quantization=\"none\"` (the file dequantized, oneDNN); default: no "
+        "flags (`quantization` auto keeps a .gguf file's codes packed on the CPU; float32 inputs times the "
+        "exact float32 weights); int16 / int8 inputs: `gguf_activations`, each input row rounded per block "
+        "of 32 and multiplied as integers (int8 is llama.cpp's rounding); every gguf engine runs decode "
+        "steps through the plain Llama blocks in one C call (`gguf_decode_blocks`)",
+        "- weight bytes / copy bandwidth: the default engine's weight bytes read per step times steps per "
         "second, over the copy bandwidth",
     ])  # fmt: skip
 

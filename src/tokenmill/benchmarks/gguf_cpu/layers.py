@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 
+from tokenmill.config import GGUFActivations
 from tokenmill.loading.gguf_file import GGUFFile
 from tokenmill.models.layers.cpu_linear import pack_weight, packed_linear
 from tokenmill.quantization.gguf_blocks import GGUFBlocks, concat_rows
@@ -41,11 +42,16 @@ class LayerTiming:
     packed_s: float  # float32 inputs
     float32_s: float
     packed_bytes: int
-    packed_int8_s: float  # inputs rounded to int8 (gguf_int8_activations)
+    packed_int16_s: float  # inputs rounded to int16 (gguf_activations, the default on AVX2)
+    packed_int8_s: float  # inputs rounded to int8
 
     @property
     def speedup(self) -> float:
         return self.float32_s / self.packed_s
+
+    @property
+    def int16_speedup(self) -> float:
+        return self.float32_s / self.packed_int16_s
 
     @property
     def int8_speedup(self) -> float:
@@ -85,9 +91,11 @@ def time_pair(
     return statistics.median(a), statistics.median(b)
 
 
-def _sweep_packed(weights: list[PackedWeight], x: torch.Tensor, int8_activations: bool = False) -> None:
+def _sweep_packed(
+    weights: list[PackedWeight], x: torch.Tensor, activations: GGUFActivations = "float32"
+) -> None:
     for weight in weights:
-        weight.linear(x, None, int8_activations)
+        weight.linear(x, None, activations)
 
 
 def _sweep_float32(weights: list[torch.Tensor], x: torch.Tensor) -> None:
@@ -112,13 +120,16 @@ def time_projections(
             packed_s, float32_s = time_pair(
                 partial(_sweep_packed, packed, x), partial(_sweep_float32, onednn, x), samples, calls
             )
-            int8_s, _ = time_pair(
-                partial(_sweep_packed, packed, x, True), partial(_sweep_float32, onednn, x), samples, calls
+            int16_s, int8_s = time_pair(
+                partial(_sweep_packed, packed, x, "int16"),
+                partial(_sweep_packed, packed, x, "int8"),
+                samples,
+                calls,
             )
             results.append(
                 LayerTiming(
                     name, first.qtype.name, first.out_features, first.in_features, batch,
-                    packed_s / count, float32_s / count, first.nbytes, int8_s / count,
+                    packed_s / count, float32_s / count, first.nbytes, int16_s / count, int8_s / count,
                 )
             )  # fmt: skip
     return results

@@ -45,7 +45,7 @@ class PreNormLinear(FusableLayer):
             from tokenmill.quantization.gguf_method import fused_packed_linear
 
             self._fused_packed_linear = functools.partial(
-                fused_packed_linear, int8_activations=options.gguf_int8_activations
+                fused_packed_linear, activations=options.gguf_activations
             )
             self._forward = self.forward_gguf_packed
 
@@ -112,7 +112,7 @@ class GatedActivationLinear(FusableLayer):
             from tokenmill.quantization.gguf_prologue import GATE_PROLOGUES
 
             self._fused_packed_linear = functools.partial(
-                fused_packed_linear, int8_activations=options.gguf_int8_activations
+                fused_packed_linear, activations=options.gguf_activations
             )
             self._gate_prologue = GATE_PROLOGUES[self._layers[0].kind]
             self._forward = self.forward_gguf_packed
