@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine_helpers import in_thread, llm_for
 from tokenmill.loading.gguf_checkpoint import unpermute_rotary_rows
 from tokenmill.loading.gguf_file import GGUFFile
 from tokenmill.quantization.gguf_blocks import GGUFBlocks, concat_rows, decode_blocks
@@ -239,29 +238,3 @@ def test_without_a_compiler_the_same_weights_run_through_pytorch(monkeypatch: py
     weight, packed = reference(blocks), pack_blocks(blocks)
     monkeypatch.setattr(gguf_packed, "load_kernel", lambda: None)
     assert torch.equal(packed.linear(torch.eye(256)), weight.t())
-
-
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_real_models_with_packed_projections_decode_the_float32_greedy_tokens(
-    model: str, request: pytest.FixtureRequest
-) -> None:
-    """Every projection swapped for its packed twin (checked bit for bit on the way in): the greedy tokens
-    of one sequence and of three together equal those of the float32 engine. The engine runs its own
-    configured copy of conftest's shared float32 load, so the swap leaves the shared model as it was."""
-    from tokenmill.benchmarks.gguf_cpu.swap import swap_in_packed
-    from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
-    from tokenmill.sampling_params import SamplingParams
-
-    path = Path(request.getfixturevalue(f"{model}_gguf_path"))
-    llm = llm_for(request.getfixturevalue(f"{model}_float32"), max_model_len=128, max_num_seqs=4)
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-    def greedy(batch: list[str]) -> list[list[int]]:
-        return [list(out.outputs[0].token_ids) for out in in_thread(lambda: llm.generate(batch, params))]
-
-    single, together = greedy(prompts[:1]), greedy(prompts)
-    swapped = swap_in_packed(llm.engine.runner.model, GGUFCheckpoint(path))
-    assert swapped == 4 * llm.engine.model_config.num_layers + 1
-    assert greedy(prompts[:1]) == single
-    assert greedy(prompts) == together

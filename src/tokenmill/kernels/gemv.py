@@ -43,6 +43,9 @@ SILU_AND_MUL = 3
 GELU_TANH_AND_MUL = 4
 GATED_ACTIVATIONS = {"silu": SILU_AND_MUL, "gelu_tanh": GELU_TANH_AND_MUL}
 GEMV_MIN_PROGRAMS = 1024  # about 8 per SM of an H200 (132 SMs)
+# Rows per program at least, on CPU tensors (TRITON_INTERPRET=1, tests): the interpreter runs a program at
+# a time in Python, so the GPU's many narrow programs cost it ~20x the time of a few wide ones.
+INTERPRETER_BLOCK_N = 32
 QUANTIZED_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
@@ -258,7 +261,10 @@ def _launch(
     new_residual = torch.empty_like(x) if residual is not None else None
     if num_rows == 0:
         return out, new_residual
-    config = config or default_gemv_config(out_features, in_features, weight.element_size())
+    if config is None:
+        config = default_gemv_config(out_features, in_features, weight.element_size())
+        if x.device.type == "cpu":  # the interpreter: its cost is per program, so fewer, wider ones
+            config = config._replace(block_n=max(config.block_n, INTERPRETER_BLOCK_N))
     if config.tensor_cores and prologue in (PLAIN, RMS_NORM, ADD_RMS_NORM):
         if weight_scale is None:
             raise ValueError("the tensor-core GEMV takes 8-bit weights (with their weight_scale) only")
