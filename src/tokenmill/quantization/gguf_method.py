@@ -9,9 +9,9 @@ packs them (:func:`pack_parts`: one weight per run of parts in one format). ``la
 placeholder with no columns: the engine only asks it for its device and dtype.
 
 CPU only (the kernels are C loops). The weights are bit-identical to the float32 dequantized ones;
-``KernelOptions.gguf_activations`` says what the inputs become: ``int16`` (the default on AVX2 CPUs) or
-``int8``, rounded per block of 32 and multiplied as integers (``gguf_integer_kernel.py``), or
-``float32``, which gives the float32 engine's results up to summation order. Either way
+``KernelOptions.gguf_activations`` says what the inputs become: ``float32`` (the default), which gives
+the float32 engine's results up to summation order, or ``int16`` / ``int8`` (AVX2 CPUs), rounded per
+block of 32 and multiplied as integers (``gguf_integer_kernel.py``). Either way
 :func:`fused_packed_linear` lets the norm or activation before a projection run in the same C call.
 """
 

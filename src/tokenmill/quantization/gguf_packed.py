@@ -15,10 +15,9 @@ Exactness: the weights are bit-identical to gguf-py's dequantized float32 (a one
 weight column exactly); results differ from ``F.linear`` on those weights by float32 summation order only.
 Below ``DEQUANTIZED_MIN_ROWS`` rows each output element is one reduction over the input, in an order fixed
 by the kernel, so a row's result does not depend on how many rows share the call (the same discipline as
-``prepacked_cpu_linear``). Integer ``activations`` (``gguf_integer_kernel.py``: ``int16``, the default on
-AVX2 CPUs, or llama.cpp's ``int8``) round the inputs per block of 32 instead: same codes, integer
-products, the same batch independence (calls of many rows take the float32 weights through BLAS in every
-mode).
+``prepacked_cpu_linear``). Integer ``activations`` (``gguf_integer_kernel.py``: ``int16``, or llama.cpp's
+``int8``; AVX2 CPUs) round the inputs per block of 32 instead: same codes, integer products, the same
+batch independence (calls of many rows take the float32 weights through BLAS in every mode).
 """
 
 import ctypes

@@ -10,7 +10,7 @@ the unquantized model and each mode score the same text with teacher forcing (se
 * ``gguf-float32``: the GGUF blocks kept packed, when that path is built (skipped otherwise), float32
   inputs;
 * ``gguf-int16`` / ``gguf-int8``: the same with each projection's input rounded to 16- / 8-bit integers
-  per block of 32 and multiplied as integers (``gguf_activations``: int16 is the default on AVX2 CPUs,
+  per block of 32 and multiplied as integers (``gguf_activations``: int16 keeps float32's tokens,
   int8 is llama.cpp's rounding). The packed modes score through chunks of ``DECODE_CHUNK_TOKENS``, so
   that every position goes through the kernels a decode step runs.
 

@@ -42,7 +42,7 @@ class LayerTiming:
     packed_s: float  # float32 inputs
     float32_s: float
     packed_bytes: int
-    packed_int16_s: float  # inputs rounded to int16 (gguf_activations, the default on AVX2)
+    packed_int16_s: float  # inputs rounded to int16 (gguf_activations)
     packed_int8_s: float  # inputs rounded to int8
 
     @property
