@@ -33,7 +33,7 @@ import triton.language as tl
 from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
 from tokenmill.kernels.gemv_tensor_core import launch_tensor_core_gemv
 from tokenmill.kernels.gemv_tiles import as_float32, float32_factor, input_tile, weight_tile
-from tokenmill.kernels.launch import launch_options, prefetch_l2, wait_for_previous_kernel
+from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 from tokenmill.kernels.options import GEMV_MAX_ROWS as MAX_ROWS
 
 PLAIN = 0
@@ -43,9 +43,6 @@ SILU_AND_MUL = 3
 GELU_TANH_AND_MUL = 4
 GATED_ACTIVATIONS = {"silu": SILU_AND_MUL, "gelu_tanh": GELU_TANH_AND_MUL}
 GEMV_MIN_PROGRAMS = 1024  # about 8 per SM of an H200 (132 SMs)
-# Bulk L2 prefetches a program issues for its own weight rows before it waits for the previous kernel
-# (0: none; compiled launches on CUDA only). An experiment (scripts/experiments/gemv_l2_prefetch_ab.py).
-L2_PREFETCH_PIECES = 0
 # Rows per program at least, on CPU tensors (TRITON_INTERPRET=1, tests): the interpreter runs a program at
 # a time in Python, so the GPU's many narrow programs cost it ~20x the time of a few wide ones.
 INTERPRETER_BLOCK_N = 32
@@ -123,7 +120,6 @@ def _gemv_kernel(
     block_n: tl.constexpr,
     block_k: tl.constexpr,
     pdl: tl.constexpr,
-    prefetch_pieces: tl.constexpr = 0,
 ) -> None:
     program = tl.program_id(0)
     features = program * block_n + tl.arange(0, block_n)
@@ -131,11 +127,6 @@ def _gemv_kernel(
     written_cols = tl.where(program == 0, in_features, 0)  # the first program writes the residual
     weight_rows = weight_ptr + features.to(tl.int64)[:, None] * weight_row_stride
     weight = weight_tile(weight_rows, feature_ok, 0, in_features, block_k)
-    if prefetch_pieces > 0:
-        first = program * block_n
-        rows = tl.minimum(out_features - first, block_n).to(tl.int64)
-        row_bytes = weight_row_stride.to(tl.int64) * (weight_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        prefetch_l2(weight_ptr + first.to(tl.int64) * weight_row_stride, rows * row_bytes, prefetch_pieces)
     wait_for_previous_kernel(pdl)  # the weights are constants: only the activations wait for it
     products = tl.zeros([block_n, block_k], tl.float32)
     squares = tl.zeros([block_k], tl.float32)
@@ -302,7 +293,6 @@ def _launch(
         block_n=config.block_n,
         block_k=config.block_k,
         pdl=pdl,
-        prefetch_pieces=L2_PREFETCH_PIECES if x.is_cuda else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),

@@ -27,25 +27,3 @@ def wait_for_previous_kernel(pdl: tl.constexpr) -> None:
     if pdl:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(base_ptr: tl.tensor, nbytes: tl.tensor, pieces: tl.constexpr) -> None:
-    """Bulk-prefetch ``nbytes`` at ``base_ptr`` into L2 as ``pieces`` consecutive slices, one per thread of
-    the first ``pieces`` (Hopper's ``cp.async.bulk.prefetch.L2``: no registers, no waiting; 16-byte
-    aligned slices, the last < 16 bytes left out). A hint for what this program reads after its wait;
-    compiled launches only (the interpreter has no inline PTX)."""
-    per_piece = tl.cdiv(nbytes, 16 * pieces) * 16
-    lane = tl.arange(0, pieces).to(tl.int64)
-    offsets = lane * per_piece
-    sizes = (tl.minimum(tl.maximum(nbytes - offsets, 0), per_piece) // 16 * 16).to(tl.int32)
-    addresses = base_ptr.to(tl.pointer_type(tl.int8)) + offsets
-    tl.inline_asm_elementwise(
-        "{ .reg .pred nonempty; setp.ne.u32 nonempty, $2, 0; "
-        "@nonempty cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [addresses, sizes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
