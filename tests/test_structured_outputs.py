@@ -1,7 +1,8 @@
 """Structured outputs on the real SmolLM2-135M and Gemma 3 270M (CPU, float32), under each grammar backend.
 
-Every sampled output of 36 constraints x 3 seeds (24 JSON schemas, 8 regexes, 2 choices, a Lark and a
-GBNF grammar), all in one batch, ends by its grammar and passes a reference that knows nothing of the
+Every sampled output of 36 constraints x 3 seeds on SmolLM2, x 2 on Gemma 3 (whose 262k-token head
+makes each step 5x as slow on the CPU) (24 JSON schemas, 8 regexes, 2 choices, a Lark and a GBNF
+grammar), all in one batch, ends by its grammar and passes a reference that knows nothing of the
 backends: the ``jsonschema`` library (formats checked), ``re.fullmatch``, the choice list. A greedy output
 that already conforms is unchanged by its constraint. A bad constraint is refused at ``add_request``,
 naming its field.
@@ -24,6 +25,7 @@ from tokenmill.outputs import CompletionOutput
 MODELS = ("smollm2", "gemma3")
 BACKENDS = ("llguidance", "xgrammar")
 SEEDS = (0, 1, 2)
+LARGE_VOCAB_SEEDS = SEEDS[:2]
 TEMPERATURE = 0.7
 UNSUPPORTED = {"xgrammar": {"allof"}}  # refused by that backend (it would not enforce allOf)
 
@@ -111,18 +113,19 @@ def backend_of(llm: LLM) -> str:
 def test_every_sampled_output_parses_and_validates(llm: LLM) -> None:
     found = cases(llm, backend_of(llm))
     assert len(found) >= 35
+    seeds = SEEDS if llm.engine.model_config.vocab_size < 100_000 else LARGE_VOCAB_SEEDS
     params = [
         SamplingParams(temperature=TEMPERATURE, seed=seed, max_tokens=96, structured_outputs=constraint)
-        for seed in SEEDS
+        for seed in seeds
         for _, _, constraint, _ in found
     ]
-    outputs = in_thread(lambda: llm.generate([case[1] for _ in SEEDS for case in found], params))
+    outputs = in_thread(lambda: llm.generate([case[1] for _ in seeds for case in found], params))
     failures = []
     for index, output in enumerate(outputs):
         name, _, _, check = found[index % len(found)]
         problem = failure(output.outputs[0], check)
         if problem is not None:
-            failures.append(f"{name} (seed {SEEDS[index // len(found)]}): {problem}")
+            failures.append(f"{name} (seed {seeds[index // len(found)]}): {problem}")
     assert not failures, "\n".join(failures)
 
 
