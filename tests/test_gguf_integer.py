@@ -1,7 +1,6 @@
-"""``gguf_activations`` int16 and int8: packed GGUF projections whose inputs are
-rounded per block of 32 and multiplied as integers (``quantization/gguf_integer_kernel.py``), against a
-naive PyTorch reference of the same arithmetic built from gguf-py's decoded codes, and in the engine
-against the float32 model."""
+"""``gguf_activations`` int16 and int8: packed GGUF projections whose inputs are rounded per block of 32
+and multiplied as integers (``quantization/gguf_integer_kernel.py``), against a naive PyTorch reference of
+the same arithmetic built from gguf-py's decoded codes, and in the engine against the float32 model."""
 
 from pathlib import Path
 
