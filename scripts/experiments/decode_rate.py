@@ -3,8 +3,12 @@
 with EOS ignored, the rate from the difference of a ``tokens + 1`` run and a 1-token run (so prefill and
 the first token drop out), the median of ``repeats``, after one warm-up run."""
 
+import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,3 +33,19 @@ def decode_rate(
     seconds(tokens)
     rates = [tokens / (seconds(tokens + 1) - seconds(1)) for _ in range(repeats)]
     return statistics.median(rates), rates
+
+
+def run_variants(engine: str, variants: dict[str, dict], argv: list[str], prefixes: tuple[str, ...]) -> None:
+    """Each variant named in ``argv`` (all by default) in a fresh process: ``engine`` is the child's source,
+    given ``HERE`` (this folder) and the variant's settings as JSON in ``sys.argv[1]``; its lines starting
+    with ``prefixes`` are printed under the variant's name."""
+    here = str(Path(__file__).resolve().parent)
+    for name in [a for a in argv if a in variants] or list(variants):
+        result = subprocess.run(
+            [sys.executable, "-c", f"HERE = {here!r}\n" + engine, json.dumps(variants[name])],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        lines = [line for line in result.stdout.splitlines() if line.startswith(prefixes)]
+        print(name, "\n  ".join(lines) if lines else f"FAILED: {result.stderr[-1500:]}", flush=True)

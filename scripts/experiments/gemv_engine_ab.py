@@ -10,12 +10,9 @@ tokens, median of 3, each variant in a fresh process) with the 8-bit GEMV routin
     PYTHONPATH=src python scripts/experiments/gemv_engine_ab.py [VARIANT ...]
 """
 
-import json
-import pathlib
-import subprocess
 import sys
 
-HERE = pathlib.Path(__file__).resolve().parent
+from decode_rate import run_variants
 
 ENGINE = r"""
 import sys, json
@@ -34,7 +31,7 @@ if cfg.get("maxnreg"):
     original_options = gemv.launch_options
     gemv.launch_options = lambda pdl: {**original_options(pdl), "maxnreg": cfg["maxnreg"]}
 if cfg.get("no_maxnreg"):
-    gemv._register_limit = lambda config, x: {}
+    gemv.register_limit = lambda max_registers, on_cuda: {}
 if cfg.get("maxnreg_skip_norm"):
     original_launch = gemv._launch
     def launch(x, weight, bias, prologue, in_features, config, *args, **kwargs):
@@ -64,15 +61,7 @@ VARIANTS = {
 
 
 def main(argv: list[str]) -> None:
-    for name in [a for a in argv if a in VARIANTS] or list(VARIANTS):
-        r = subprocess.run(
-            [sys.executable, "-c", f"HERE = {str(HERE)!r}\n" + ENGINE, json.dumps(VARIANTS[name])],
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT")]
-        print(name, lines[0] if lines else f"FAILED: {r.stderr[-1500:]}", flush=True)
+    run_variants(ENGINE, VARIANTS, argv, ("RESULT",))
 
 
 if __name__ == "__main__":

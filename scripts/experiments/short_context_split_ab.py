@@ -11,12 +11,9 @@ variants can be compared.
     PYTHONPATH=src python scripts/experiments/short_context_split_ab.py [VARIANT ...]
 """
 
-import json
-import pathlib
-import subprocess
 import sys
 
-HERE = pathlib.Path(__file__).resolve().parent
+from decode_rate import run_variants
 
 ENGINE = r"""
 import sys, json
@@ -51,15 +48,7 @@ VARIANTS = _variants()
 
 
 def main(argv: list[str]) -> None:
-    for name in [a for a in argv if a in VARIANTS] or list(VARIANTS):
-        r = subprocess.run(
-            [sys.executable, "-c", f"HERE = {str(HERE)!r}\n" + ENGINE, json.dumps(VARIANTS[name])],
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        lines = [line for line in r.stdout.splitlines() if line.startswith(("RESULT", "TOKENS"))]
-        print(name, "\n  ".join(lines) if lines else f"FAILED: {r.stderr[-1500:]}", flush=True)
+    run_variants(ENGINE, VARIANTS, argv, ("RESULT", "TOKENS"))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import triton.language as tl
 from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
 from tokenmill.kernels.gemv_tensor_core import launch_tensor_core_gemv
 from tokenmill.kernels.gemv_tiles import as_float32, float32_factor, input_tile, weight_tile
-from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
+from tokenmill.kernels.launch import launch_options, register_limit, wait_for_previous_kernel
 from tokenmill.kernels.options import GEMV_MAX_ROWS as MAX_ROWS
 
 PLAIN = 0
@@ -296,14 +296,9 @@ def _launch(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
-        **_register_limit(config, x),
+        **register_limit(config.max_registers, x.is_cuda),
     )
     return out, new_residual
-
-
-def _register_limit(config: GemvConfig, x: torch.Tensor) -> dict[str, int]:
-    """``maxnreg`` for a compiled launch (the CPU interpreter knows no registers)."""
-    return {"maxnreg": config.max_registers} if config.max_registers and x.is_cuda else {}
 
 
 def _check_weight_dtype(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:

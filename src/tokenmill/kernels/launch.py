@@ -20,6 +20,12 @@ def launch_options(pdl: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if pdl else {}
 
 
+def register_limit(max_registers: int | None, on_cuda: bool) -> dict[str, int]:
+    """Launch keywords capping a compiled kernel's registers per thread (``maxnreg``); nothing without a
+    cap or off CUDA (the interpreter knows no registers)."""
+    return {"maxnreg": max_registers} if max_registers and on_cuda else {}
+
+
 @triton.jit
 def wait_for_previous_kernel(pdl: tl.constexpr) -> None:
     """With ``pdl``: block until the previous kernel has finished and its writes are visible, then allow

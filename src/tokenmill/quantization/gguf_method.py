@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.kernels.options import GGUFActivations, KernelOptions
+from tokenmill.config import GGUFActivations
+from tokenmill.kernels.options import KernelOptions
 from tokenmill.quantization.gguf_blocks import SUPPORTED_QTYPES, GGUFBlocks
 from tokenmill.quantization.gguf_packed import PackedRows, PackedWeight, pack_parts
 from tokenmill.quantization.gguf_prologue import NormPrologue

@@ -39,7 +39,7 @@ from tokenmill.kernels.attention.tiles import (
     kv_offsets,
     load_kv_tile,
 )
-from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
+from tokenmill.kernels.launch import launch_options, register_limit, wait_for_previous_kernel
 
 
 @triton.jit(do_not_specialize=["window", "min_partition", "max_unsplit", "num_splits"])
@@ -315,6 +315,6 @@ def paged_decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
-        **({"maxnreg": config.max_registers} if config.max_registers and query.is_cuda else {}),
+        **register_limit(config.max_registers, query.is_cuda),
     )
     return out
