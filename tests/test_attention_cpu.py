@@ -83,6 +83,34 @@ def test_decode_step_matches_the_reference(
     assert torch.equal(caches[1].key, caches[0].key) and torch.equal(caches[1].value, caches[0].value)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 80)])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_long_contexts_split_into_spans_match_the_reference(
+    heads: int, kv_heads: int, head_dim: int, window: int | None, vectorized: bool
+) -> None:
+    """Contexts cut into several 64-position spans attended apart and merged (at, around and far past a
+    span's end; a window that starts inside a span), with head sizes of one and of 1.25 column blocks;
+    the AVX2 loops and the portable ones (built without AVX2)."""
+    library = load_decode_attention(vectorized)
+    if library is None:
+        pytest.skip("this compiler cannot build the kernel without AVX2")
+    seq_lens = [1, 64, 65, 129, 300]
+    pool, positions, metadata, generator = _step(seq_lens, kv_heads, head_dim, seed=heads + head_dim)
+    layer = AttentionLayer(0, heads, kv_heads, head_dim, head_dim**-0.5, window)
+    rows = len(seq_lens)
+    q, k, v = (torch.randn(rows, h, head_dim, generator=generator) for h in (heads, kv_heads, kv_heads))
+    rotary = RotaryEmbedding(head_dim, 512, RopeConfig(theta=10000.0)).pending(positions, head_dim)
+    caches = [KVCacheLayer(pool[0].clone(), pool[1].clone()) for _ in range(2)]
+    expected = TorchAttentionBackend().forward(
+        layer, q.clone(), k.clone(), v.clone(), metadata, caches[0], rotary
+    )
+    metadata.derived.clear()
+    got = CpuAttentionBackend(library).forward(layer, q, k, v, metadata, caches[1], rotary)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[1].key, caches[0].key) and torch.equal(caches[1].value, caches[0].value)
+
+
 def _chunk_step(new_tokens: list[int], contexts: list[int], seed: int):  # type: ignore[no-untyped-def]
     """A step where sequence b brings ``new_tokens[b]`` tokens after ``contexts[b]`` cached ones, its blocks
     handed out shuffled."""

@@ -87,8 +87,19 @@ INLINE vf high_nibbles(vi b) { return (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(b
 #endif
 #define PARTS (32 / LANES)
 
-INLINE float factor(const void* p, int64_t i, int half) {
-    return half ? _cvtsh_ss(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+/* Factors [first, first + count) as float32 in `out` (float16 ones converted eight at a time), or a
+   pointer to them where they are float32 already. The loops then broadcast each one from memory, where
+   converting them one by one (an insert, a conversion and a broadcast each) made a one-row Q4_1 product
+   1.15x slower on a 2-core AVX2 machine (3.86 against 3.36 ns per 32 weights). */
+#define FACTOR_BLOCK 64
+INLINE const float* row_factors(const void* p, int64_t first, int64_t count, const int half, float* out) {
+    if (!half) return (const float*)p + first;
+    const uint16_t* h = (const uint16_t*)p + first;
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+    for (; i < count; i++) out[i] = _cvtsh_ss(h[i]);
+    return out;
 }
 
 /* One output row's weights, bit for bit gguf-py's float32: w = code * scale (+ offset), LANES codes per
@@ -99,11 +110,8 @@ INLINE vf affine(vf codes, float s, float o, const int has_offset) {
 }
 
 /* Group g of output row `row` as vectors: 32 / LANES of them for a group of 32, half as many for 16. */
-INLINE void dequantize_group(const uint8_t* codes, const void* scale, const void* offset, int64_t row,
-                             int64_t groups, int64_t g, const int group, const int four_bit,
-                             const int half, const int has_offset, vf* parts) {
-    float s = factor(scale, row * groups + g, half);
-    float o = has_offset ? factor(offset, row * groups + g, half) : 0.0f;
+INLINE void dequantize_group(const uint8_t* codes, float s, float o, int64_t row, int64_t groups, int64_t g,
+                             const int group, const int four_bit, const int has_offset, vf* parts) {
     if (four_bit) {
         /* group 32: value i in the low nibble of byte i, value 16 + i in its high one. Each byte widened
            once to a 32-bit lane serves both of its values (a mask, a shift): half the shuffles of
@@ -148,19 +156,39 @@ INLINE float fold(const vf* sums) {
     return a[0];
 }
 
-/* The 32 weights [32c, 32c + 32) of output row `row`, in PARTS vectors: one group of 32, or two of 16. */
-INLINE void dequantize_chunk(const uint8_t* codes, const void* scale, const void* offset, int64_t row,
-                             int64_t K, int64_t c, const int group, const int four_bit, const int half,
-                             const int has_offset, vf* w) {
+/* The 32 weights [32c, 32c + 32) of output row `row`, in PARTS vectors: one group of 32, or two of 16; `s`
+   and `o` point at the float32 factors of the chunk's first group. */
+INLINE void dequantize_chunk(const uint8_t* codes, const float* s, const float* o, int64_t row, int64_t K,
+                             int64_t c, const int group, const int four_bit, const int has_offset, vf* w) {
     int64_t groups = K / group;
     if (group == 32 || four_bit) {  /* 4-bit codes come in groups of 32 only */
-        dequantize_group(codes, scale, offset, row, groups, c, 32, four_bit, half, has_offset, w);
+        dequantize_group(codes, s[0], has_offset ? o[0] : 0.0f, row, groups, c, 32, four_bit, has_offset, w);
     } else {
-        dequantize_group(codes, scale, offset, row, groups, 2 * c, 16, four_bit, half, has_offset, w);
-        dequantize_group(codes, scale, offset, row, groups, 2 * c + 1, 16, four_bit, half, has_offset,
-                         w + PARTS / 2);
+        dequantize_group(codes, s[0], has_offset ? o[0] : 0.0f, row, groups, 2 * c, 16, four_bit, has_offset,
+                         w);
+        dequantize_group(codes, s[1], has_offset ? o[1] : 0.0f, row, groups, 2 * c + 1, 16, four_bit,
+                         has_offset, w + PARTS / 2);
     }
 }
+
+/* Calls body(c, s, o) for every chunk c of output row `row`, its factors converted FACTOR_BLOCK chunks at a
+   time (s and o: the factors of chunk c's first group). */
+#define FOR_EACH_CHUNK(row, K, group, half, has_offset, scale, offset, body)                              \
+    {                                                                                                     \
+        float s_buf_[2 * FACTOR_BLOCK], o_buf_[2 * FACTOR_BLOCK];                                         \
+        int64_t per_chunk_ = group == 16 ? 2 : 1, chunks_ = (K) / 32;                                     \
+        for (int64_t c0_ = 0; c0_ < chunks_; c0_ += FACTOR_BLOCK) {                                       \
+            int64_t n_ = chunks_ - c0_ < FACTOR_BLOCK ? chunks_ - c0_ : FACTOR_BLOCK;                     \
+            int64_t first_ = ((row) * chunks_ + c0_) * per_chunk_;                                        \
+            const float* s_ = row_factors(scale, first_, n_ * per_chunk_, half, s_buf_);                  \
+            const float* o_ = has_offset ? row_factors(offset, first_, n_ * per_chunk_, half, o_buf_) : 0; \
+            for (int64_t c = c0_; c < c0_ + n_; c++) {                                                    \
+                const float* s = s_ + (c - c0_) * per_chunk_;                                             \
+                const float* o = has_offset ? o_ + (c - c0_) * per_chunk_ : 0;                            \
+                body;                                                                                     \
+            }                                                                                             \
+        }                                                                                                 \
+    }
 
 /* Output row `row` against `rows` (1 to 4) input rows, its weights formed in registers once per chunk
    and used by every input row. */
@@ -172,11 +200,10 @@ INLINE void row_dots(const uint8_t* codes, const void* scale, const void* offset
     for (int r = 0; r < rows; r++)
         #pragma GCC unroll 4
         for (int p = 0; p < PARTS; p++) sums[r][p] = (vf){0};
-    for (int64_t c = 0; c < K / 32; c++) {
-        dequantize_chunk(codes, scale, offset, row, K, c, group, four_bit, half, has_offset, w);
-        #pragma GCC unroll 4
-        for (int r = 0; r < rows; r++) accumulate(sums[r], w, x + r * K + c * 32);
-    }
+    FOR_EACH_CHUNK(row, K, group, half, has_offset, scale, offset, {
+        dequantize_chunk(codes, s, o, row, K, c, group, four_bit, has_offset, w);
+        _Pragma("GCC unroll 4") for (int r = 0; r < rows; r++) accumulate(sums[r], w, x + r * K + c * 32);
+    })
     for (int r = 0; r < rows; r++) y[r * stride] = fold(sums[r]);
 }
 
@@ -234,13 +261,15 @@ int gguf_linear_prologue(FUSED_LINEAR_PARAMS) {
     const float* rows = prologue == PLAIN ? x : h;
     #pragma omp parallel num_threads(threads)
     {
-        if (prologue != PLAIN) {
-            #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++)
-                form_row(prologue, x + m * x_stride, K, residual ? residual + m * K : 0, sum_out + m * K,
-                         norm_weight, eps, unit_offset, h + m * K);
-        }
         int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        if (prologue != PLAIN) {
+            int64_t m0, m1, c0, c1;
+            prologue_share(M, K, t, count, &m0, &m1, &c0, &c1);
+            for (int64_t m = m0; m < m1; m++)
+                form_columns(prologue, x + m * x_stride, K, c0, c1, residual ? residual + m * K : 0,
+                             sum_out + m * K, norm_weight, eps, unit_offset, h + m * K);
+            #pragma omp barrier
+        }
         fn(rows, M, K, codes, scale, offset, N * t / count, N * (t + 1) / count, N, y);
     }
     free(h);
@@ -255,10 +284,10 @@ int gguf_dequantize(const uint8_t* codes, const void* scale, const void* offset,
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         vf w[PARTS];
-        for (int64_t c = 0; c < K / 32; c++) {
-            dequantize_chunk(codes, scale, offset, n, K, c, group, four_bit, half, offset != 0, w);
+        FOR_EACH_CHUNK(n, K, group, half, offset != 0, scale, offset, {
+            dequantize_chunk(codes, s, o, n, K, c, group, four_bit, offset != 0, w);
             for (int p = 0; p < PARTS; p++) *(vf*)(y + n * K + c * 32 + p * LANES) = w[p];
-        }
+        })
     }
     return 0;
 }

@@ -61,12 +61,13 @@ INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 }
 
-/* Row x of K values to integer codes q per block of 32 with step[b] (x ~ step * q, |q| <= ACT_MAX), and
-   the float sums the offset terms take: each block's (sums[b]), then each half block's (sums[B + 2b],
-   sums[B + 2b + 1]), B = K / 32 blocks. */
-static void quantize_row(const float* x, int64_t K, act_t* q, float* step, float* sums) {
+/* Blocks [b0, b1) of row x of K values to integer codes q per block of 32 with step[b] (x ~ step * q,
+   |q| <= ACT_MAX), and the float sums the offset terms take: each block's (sums[b]), then each half
+   block's (sums[B + 2b], sums[B + 2b + 1]), B = K / 32 blocks. */
+static void quantize_blocks(const float* x, int64_t K, int64_t b0, int64_t b1, act_t* q, float* step,
+                            float* sums) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t b = 0; b < K / 32; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const float* v = x + b * 32;
         __m256 a[4];
         for (int i = 0; i < 4; i++) a[i] = _mm256_loadu_ps(v + 8 * i);
@@ -292,17 +293,19 @@ int ACT_FUNCTION(FUSED_LINEAR_PARAMS) {
     if (status == 0) {
         #pragma omp parallel num_threads(threads)
         {
-            #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++) {
+            int64_t t = omp_get_thread_num(), count = omp_get_num_threads(), m0, m1, c0, c1;
+            prologue_share(M, K, t, count, &m0, &m1, &c0, &c1);
+            for (int64_t m = m0; m < m1; m++) {
                 const float* row = x + m * x_stride;
                 if (prologue != PLAIN) {
-                    form_row(prologue, row, K, residual ? residual + m * K : 0, sum_out + m * K,
-                             norm_weight, eps, unit_offset, h + m * K);
+                    form_columns(prologue, row, K, c0, c1, residual ? residual + m * K : 0, sum_out + m * K,
+                                 norm_weight, eps, unit_offset, h + m * K);
                     row = h + m * K;
                 }
-                quantize_row(row, K, q + m * K, step + m * blocks, sums + m * 3 * blocks);
+                quantize_blocks(row, K, c0 / 32, c1 / 32, q + m * K, step + m * blocks,
+                                sums + m * 3 * blocks);
             }
-            int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+            #pragma omp barrier
             fn(q, step, sums, M, K, codes, scale, offset, N * t / count, N * (t + 1) / count, N, y);
         }
     }

@@ -24,28 +24,43 @@ enum { PLAIN = 0, RMS_NORM = 1, SILU_GATE = 2, GELU_TANH_GATE = 3 };
         int64_t N, int group, int four_bit, int half, float *y, int threads, int prologue,                \
         const float *residual, float *sum_out, const float *norm_weight, float eps, int unit_offset
 
-/* RMS_NORM: h = norm(x + residual) (residual may be NULL), the sum written to sum_out; the gates:
+/* Columns [c0, c1) of the row: RMS_NORM: h = norm(x + residual) (residual may be NULL), the sum written
+   to sum_out (its sum of squares is the whole row's, in one order whatever the columns); the gates:
    h = act(x[:K]) * x[K:2K]. Rounded as the PyTorch layers round (float32 throughout). */
-static void form_row(int prologue, const float* x, int64_t K, const float* residual, float* sum_out,
-                     const float* norm_weight, float eps, int unit_offset, float* h) {
+static void form_columns(int prologue, const float* x, int64_t K, int64_t c0, int64_t c1,
+                         const float* residual, float* sum_out, const float* norm_weight, float eps,
+                         int unit_offset, float* h) {
     if (prologue == RMS_NORM) {
         float squares = 0.0f;
         for (int64_t i = 0; i < K; i++) {
             float v = residual ? x[i] + residual[i] : x[i];
-            sum_out[i] = v;
+            if (i >= c0 && i < c1) sum_out[i] = v;
             squares += v * v;
         }
         float inverse = 1.0f / sqrtf(squares / (float)K + eps);
-        for (int64_t i = 0; i < K; i++)
+        for (int64_t i = c0; i < c1; i++)
             h[i] = sum_out[i] * inverse * (unit_offset ? 1.0f + norm_weight[i] : norm_weight[i]);
     } else if (prologue == SILU_GATE) {
-        for (int64_t i = 0; i < K; i++) h[i] = x[i] / (1.0f + expf(-x[i])) * x[K + i];
+        for (int64_t i = c0; i < c1; i++) h[i] = x[i] / (1.0f + expf(-x[i])) * x[K + i];
     } else {
         const float root = 0.7978845608028654f;  /* sqrt(2 / pi) */
-        for (int64_t i = 0; i < K; i++) {
+        for (int64_t i = c0; i < c1; i++) {
             float g = x[i];
             h[i] = 0.5f * g * (1.0f + tanhf(root * (g + 0.044715f * g * g * g))) * x[K + i];
         }
+    }
+}
+
+/* Thread t of count's share of forming M rows of K columns: whole rows [*m0, *m1) when there are as many
+   rows as threads, else blocks of 32 columns [*c0, *c1) of every row (one decode row's norm or activation
+   would otherwise keep the other threads waiting). The caller waits for every share before reading. */
+static void prologue_share(int64_t M, int64_t K, int64_t t, int64_t count, int64_t* m0, int64_t* m1,
+                           int64_t* c0, int64_t* c1) {
+    if (M >= count) {
+        *m0 = M * t / count, *m1 = M * (t + 1) / count, *c0 = 0, *c1 = K;
+    } else {
+        int64_t blocks = K / 32;
+        *m0 = 0, *m1 = M, *c0 = 32 * (blocks * t / count), *c1 = 32 * (blocks * (t + 1) / count);
     }
 }
 """
