@@ -137,6 +137,34 @@ def test_float_inputs_form_the_norm_or_gate_rows_in_the_projections_call(prologu
     torch.testing.assert_close(out, expected, rtol=0, atol=float(8 * summation_bound(rows, weight).max()))
 
 
+@pytest.mark.parametrize("activations", ["float32", "int16", "int8"])
+def test_the_norm_prologue_may_store_its_sum_over_its_residual(activations: str) -> None:
+    """The C decode blocks pass the residual stream as both the norm's residual and the buffer of its sum:
+    at two threads, one row (shared by column blocks) and four rows (shared by rows) give what separate
+    buffers give, the sum stored only once every thread has read the row."""
+    from tokenmill.quantization.gguf_packed import fused_kernel
+    from tokenmill.quantization.gguf_prologue import RMS_NORM, NormPrologue, run_fused
+
+    function = fused_kernel(activations)  # type: ignore[arg-type]
+    if function is None:
+        pytest.skip(f"no kernel for {activations} inputs on this machine")
+    packed = pack_blocks(make_blocks(Q.Q4_1, 64, 512))
+    for rows in (1, 4):
+        hidden, residual, scale = torch.randn(rows, 512), torch.randn(rows, 512), torch.rand(512) + 0.5
+        expected, total = run_fused(
+            function, hidden, packed.codes, packed.scale, packed.offset, packed.group,
+            NormPrologue(scale, 1e-5, False, residual),
+        )  # fmt: skip
+        for _ in range(20):  # a race shows in some calls only
+            in_place, out = residual.clone(), torch.empty(rows, 64)
+            status = function(
+                hidden.data_ptr(), rows, 512, packed.codes.data_ptr(), packed.scale.data_ptr(),
+                packed.offset.data_ptr(), 64, packed.group, 1, 1, out.data_ptr(), 2, RMS_NORM,
+                in_place.data_ptr(), in_place.data_ptr(), scale.data_ptr(), 1e-5, 0,
+            )  # fmt: skip
+            assert status == 0 and torch.equal(in_place, total) and torch.equal(out, expected)
+
+
 def test_packed_bytes_per_weight() -> None:
     sizes = {q: pack_blocks(make_blocks(q, 4, 512)).nbytes / (4 * 512) for q in QTYPES}
     assert sizes[Q.Q4_1] == sizes[Q.Q4_0] == 0.625  # nibbles + fp16 scale and offset per 32

@@ -267,8 +267,11 @@ int gguf_linear_prologue(FUSED_LINEAR_PARAMS) {
             prologue_share(M, K, t, count, &m0, &m1, &c0, &c1);
             for (int64_t m = m0; m < m1; m++)
                 form_columns(prologue, x + m * x_stride, K, c0, c1, residual ? residual + m * K : 0,
-                             sum_out + m * K, norm_weight, eps, unit_offset, h + m * K);
+                             norm_weight, eps, unit_offset, h + m * K);
             #pragma omp barrier
+            if (prologue == RMS_NORM)
+                for (int64_t m = m0; m < m1; m++)
+                    store_sums(x + m * K, c0, c1, residual ? residual + m * K : 0, sum_out + m * K);
         }
         fn(rows, M, K, codes, scale, offset, N * t / count, N * (t + 1) / count, N, y);
     }

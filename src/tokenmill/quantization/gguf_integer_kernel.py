@@ -298,14 +298,17 @@ int ACT_FUNCTION(FUSED_LINEAR_PARAMS) {
             for (int64_t m = m0; m < m1; m++) {
                 const float* row = x + m * x_stride;
                 if (prologue != PLAIN) {
-                    form_columns(prologue, row, K, c0, c1, residual ? residual + m * K : 0, sum_out + m * K,
-                                 norm_weight, eps, unit_offset, h + m * K);
+                    form_columns(prologue, row, K, c0, c1, residual ? residual + m * K : 0, norm_weight, eps,
+                                 unit_offset, h + m * K);
                     row = h + m * K;
                 }
                 quantize_blocks(row, K, c0 / 32, c1 / 32, q + m * K, step + m * blocks,
                                 sums + m * 3 * blocks);
             }
             #pragma omp barrier
+            if (prologue == RMS_NORM)
+                for (int64_t m = m0; m < m1; m++)
+                    store_sums(x + m * x_stride, c0, c1, residual ? residual + m * K : 0, sum_out + m * K);
             fn(q, step, sums, M, K, codes, scale, offset, N * t / count, N * (t + 1) / count, N, y);
         }
     }

@@ -24,22 +24,24 @@ enum { PLAIN = 0, RMS_NORM = 1, SILU_GATE = 2, GELU_TANH_GATE = 3 };
         int64_t N, int group, int four_bit, int half, float *y, int threads, int prologue,                \
         const float *residual, float *sum_out, const float *norm_weight, float eps, int unit_offset
 
-/* Columns [c0, c1) of the row: RMS_NORM: h = norm(x + residual) (residual may be NULL), the sum written
-   to sum_out (its sum of squares is the whole row's, in one order whatever the columns); the gates:
-   h = act(x[:K]) * x[K:2K]. Rounded as the PyTorch layers round (float32 throughout). */
+/* Columns [c0, c1) of the row: RMS_NORM: h = norm(x + residual) (residual may be NULL; its sum of squares
+   is the whole row's, in one order whatever the columns); the gates: h = act(x[:K]) * x[K:2K]. Rounded as
+   the PyTorch layers round (float32 throughout). The norm's sum x + residual is stored by store_sums, once
+   every thread has read the row: the caller's residual may be the sum's own buffer. */
 static void form_columns(int prologue, const float* x, int64_t K, int64_t c0, int64_t c1,
-                         const float* residual, float* sum_out, const float* norm_weight, float eps,
-                         int unit_offset, float* h) {
+                         const float* residual, const float* norm_weight, float eps, int unit_offset,
+                         float* h) {
     if (prologue == RMS_NORM) {
         float squares = 0.0f;
         for (int64_t i = 0; i < K; i++) {
             float v = residual ? x[i] + residual[i] : x[i];
-            if (i >= c0 && i < c1) sum_out[i] = v;
             squares += v * v;
         }
         float inverse = 1.0f / sqrtf(squares / (float)K + eps);
-        for (int64_t i = c0; i < c1; i++)
-            h[i] = sum_out[i] * inverse * (unit_offset ? 1.0f + norm_weight[i] : norm_weight[i]);
+        for (int64_t i = c0; i < c1; i++) {
+            float v = residual ? x[i] + residual[i] : x[i];
+            h[i] = v * inverse * (unit_offset ? 1.0f + norm_weight[i] : norm_weight[i]);
+        }
     } else if (prologue == SILU_GATE) {
         for (int64_t i = c0; i < c1; i++) h[i] = x[i] / (1.0f + expf(-x[i])) * x[K + i];
     } else {
@@ -51,9 +53,15 @@ static void form_columns(int prologue, const float* x, int64_t K, int64_t c0, in
     }
 }
 
+/* Columns [c0, c1) of RMS_NORM's sum: sum_out = x + residual. */
+static void store_sums(const float* x, int64_t c0, int64_t c1, const float* residual, float* sum_out) {
+    for (int64_t i = c0; i < c1; i++) sum_out[i] = residual ? x[i] + residual[i] : x[i];
+}
+
 /* Thread t of count's share of forming M rows of K columns: whole rows [*m0, *m1) when there are as many
    rows as threads, else blocks of 32 columns [*c0, *c1) of every row (one decode row's norm or activation
-   would otherwise keep the other threads waiting). The caller waits for every share before reading. */
+   would otherwise keep the other threads waiting). The caller waits for every share before reading the
+   rows or storing the sums. */
 static void prologue_share(int64_t M, int64_t K, int64_t t, int64_t count, int64_t* m0, int64_t* m1,
                            int64_t* c0, int64_t* c1) {
     if (M >= count) {
