@@ -57,6 +57,15 @@ def _libraries(commit: str) -> dict[str, dict[str, ctypes.CDLL]]:
         if attend is None or linear is None:
             sys.exit("no C compiler")
         linear.gguf_linear_prologue.argtypes = prologue.FUSED_ARGTYPES
+        linear.gguf_dequantize.argtypes = (
+            [ctypes.c_void_p] * 3
+            + [ctypes.c_int64] * 2
+            + [ctypes.c_int] * 3
+            + [
+                ctypes.c_void_p,
+                ctypes.c_int,
+            ]
+        )
         attend.decode_attention.argtypes = attention.ARGTYPES
         built[mode] = {"attention": attend, "linear": linear}
     return built
@@ -106,6 +115,32 @@ def _linear_call(library: ctypes.CDLL, shape: tuple[int, int, int], threads: int
     return (lambda: library.gguf_linear_prologue(*args), keep), out
 
 
+def _dequantize_call(
+    library: ctypes.CDLL, shape: tuple[int, int, int], threads: int
+) -> tuple[Any, torch.Tensor]:
+    """The float32 weight formed for calls of many rows (``gguf_dequantize``)."""
+    rows, cols, _ = shape
+    generator = torch.Generator().manual_seed(rows + cols)
+    codes = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(rows, cols // 32, generator=generator) * 0.01).half()
+    offset = (-torch.rand(rows, cols // 32, generator=generator) * 0.05).half()
+    out = torch.empty(rows, cols)
+    keep = (codes, scale, offset, out)
+    args = (
+        codes.data_ptr(),
+        scale.data_ptr(),
+        offset.data_ptr(),
+        rows,
+        cols,
+        32,
+        1,
+        1,
+        out.data_ptr(),
+        threads,
+    )
+    return (lambda: library.gguf_dequantize(*args), keep), out
+
+
 def _time(call: Any, seconds: float = 0.3) -> float:
     call()
     count, start = 0, time.perf_counter()
@@ -128,10 +163,14 @@ def main() -> None:
         cases += [
             (f"{name}, {threads} thread(s)", "linear", (shape, threads)) for name, shape in SHAPES.items()
         ]
+        cases.append(
+            (f"gate/up weight formed, {threads} thread(s)", "dequantize", (SHAPES["gate/up + norm"], threads))
+        )
     print(f"old = {commit}, new = working tree; µs per call, median of {rounds} alternating rounds")
     for label, kind, params in cases:
-        make = _attention_call if kind == "attention" else _linear_call
-        calls = {mode: make(libraries[mode][kind], *params) for mode in ("old", "new")}
+        make = {"attention": _attention_call, "linear": _linear_call, "dequantize": _dequantize_call}[kind]
+        library = "linear" if kind == "dequantize" else kind
+        calls = {mode: make(libraries[mode][library], *params) for mode in ("old", "new")}
         times: dict[str, list[float]] = {"old": [], "new": []}
         for _ in range(rounds):
             for mode in ("old", "new"):
