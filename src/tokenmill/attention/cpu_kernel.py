@@ -35,7 +35,8 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
+#define VECTORIZED 1  /* the loops below in AVX2 intrinsics with fused multiply-adds */
 #include <immintrin.h>
 #endif
 
@@ -58,7 +59,7 @@ static void rotate(const float* x, const float* cos_sin, int64_t d, float* out) 
     }
 }
 
-#ifdef __AVX2__
+#ifdef VECTORIZED
 static inline float horizontal_sum(__m256 v) {
     __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     half = _mm_add_ps(half, _mm_movehl_ps(half, half));
@@ -88,7 +89,7 @@ static inline __m256 exp_nonpositive(__m256 x) {
 static float dot(const float* a, const float* b, int64_t n) {
     int64_t i = 0;
     float total = 0.0f;
-#ifdef __AVX2__
+#ifdef VECTORIZED
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     for (; i + 16 <= n; i += 16) {
         even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
@@ -105,7 +106,7 @@ static float dot(const float* a, const float* b, int64_t n) {
 static float exponentiate(float* weights, int64_t n, float best) {
     int64_t i = 0;
     float total = 0.0f;
-#ifdef __AVX2__
+#ifdef VECTORIZED
     __m256 sum = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
         __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(weights + i), _mm256_set1_ps(best)));
@@ -123,7 +124,7 @@ static float exponentiate(float* weights, int64_t n, float best) {
 
 /* The d floats of a key or value row into L1 ahead of their use (a no-op where the intrinsic is absent). */
 static inline void prefetch_row(const float* row, int64_t d) {
-#ifdef __AVX2__
+#ifdef VECTORIZED
     for (int64_t i = 0; i < d; i += 16) _mm_prefetch((const char*)(row + i), _MM_HINT_T0);
 #endif
 }
@@ -132,7 +133,7 @@ static inline void prefetch_row(const float* row, int64_t d) {
    in eight registers across all n rows (a store and a reload per product would chain through memory). */
 static void weighted_sum(const float* weights, const float* const* values, int64_t n, int64_t d, float* acc) {
     int64_t c = 0;
-#ifdef __AVX2__
+#ifdef VECTORIZED
     for (; c + 64 <= d; c += 64) {
         __m256 sums[8];
         for (int j = 0; j < 8; j++) sums[j] = _mm256_setzero_ps();
@@ -155,7 +156,7 @@ static void weighted_sum(const float* weights, const float* const* values, int64
 /* acc[0, d) += weight * value[0, d) */
 static void add_scaled(float* acc, float weight, const float* value, int64_t d) {
     int64_t i = 0;
-#ifdef __AVX2__
+#ifdef VECTORIZED
     __m256 w = _mm256_set1_ps(weight);
     for (; i + 8 <= d; i += 8)
         _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(value + i), _mm256_loadu_ps(acc + i)));
