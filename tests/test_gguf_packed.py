@@ -159,7 +159,8 @@ def test_the_norm_prologue_may_store_its_sum_over_its_residual(activations: str)
             in_place, out = residual.clone(), torch.empty(rows, 64)
             status = function(
                 hidden.data_ptr(), rows, 512, packed.codes.data_ptr(), packed.scale.data_ptr(),
-                packed.offset.data_ptr(), 64, packed.group, 1, 1, out.data_ptr(), 2, RMS_NORM,
+                packed.offset.data_ptr(), 64, packed.group, int(packed.codes.dtype == torch.uint8),
+                int(packed.scale.dtype == torch.float16), out.data_ptr(), 2, RMS_NORM,
                 in_place.data_ptr(), in_place.data_ptr(), scale.data_ptr(), 1e-5, 0,
             )  # fmt: skip
             assert status == 0 and torch.equal(in_place, total) and torch.equal(out, expected)

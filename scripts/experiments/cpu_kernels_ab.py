@@ -22,15 +22,16 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SHAPES = {"q/k/v + norm": (960, 576, 1), "gate/up + norm": (3072, 576, 1), "down + SiLU": (576, 1536, 2)}
 
 
-def _old_module(commit: str, path: str, replace: dict[str, str] | None = None) -> dict[str, Any]:
-    """The names an older version of a module defines before its first ``@cache`` function."""
+def _old_module(
+    commit: str, path: str, drop: str = "", names: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The names an older version of a module defines before its first ``@cache`` function, with the line
+    ``drop`` removed and ``names`` defined first (what that line imported, from another old module)."""
     text = subprocess.run(
         ["git", "show", f"{commit}:{path}"], capture_output=True, text=True, check=True
     ).stdout
-    text = text.split("\n\n\n@cache", 1)[0]
-    namespace: dict[str, Any] = dict(replace or {})
-    for line in list(namespace.pop("__drop__", "").splitlines()):
-        text = text.replace(line, "")
+    text = text.split("\n\n\n@cache", 1)[0].replace(drop, "")
+    namespace: dict[str, Any] = dict(names or {})
     exec(text, namespace)
     return namespace
 
@@ -40,11 +41,8 @@ def _libraries(commit: str) -> dict[str, dict[str, ctypes.CDLL]]:
     old_projection = _old_module(
         commit,
         "src/tokenmill/quantization/gguf_cpu_kernel.py",
-        {
-            "__drop__": "from tokenmill.quantization.gguf_prologue import FUSED_ARGTYPES, ROW_PROLOGUES",
-            "FUSED_ARGTYPES": old_prologue["FUSED_ARGTYPES"],
-            "ROW_PROLOGUES": old_prologue["ROW_PROLOGUES"],
-        },
+        "from tokenmill.quantization.gguf_prologue import FUSED_ARGTYPES, ROW_PROLOGUES",
+        {name: old_prologue[name] for name in ("FUSED_ARGTYPES", "ROW_PROLOGUES")},
     )
     old_attention = _old_module(commit, "src/tokenmill/attention/cpu_kernel.py")
     built: dict[str, dict[str, ctypes.CDLL]] = {"old": {}, "new": {}}
