@@ -109,7 +109,7 @@ OPTION_HELP: dict[str, str] = {
     "earlier occurrence of the output's last tokens) or draft_model (a smaller model with the same "
     "vocabulary); the model checks the guesses in one step, keeping its exact output distribution; "
     "unset: off",
-    "num_speculative_tokens": "tokens guessed per step for each decoding sequence (k); unset: 12 for ngram "
+    "num_speculative_tokens": "tokens guessed per step for each decoding sequence (k); unset: 24 for ngram "
     "on a GPU, else 4",
     "prompt_lookup_min": "ngram: the shortest suffix looked up in the prompt and output",
     "prompt_lookup_max": "ngram: the longest suffix looked up (the longest match wins)",

@@ -45,7 +45,7 @@ class SpeculativeConfig:
     ``_max`` tokens); ``draft_model``: a smaller ``model`` with the same vocabulary. None: off."""
 
     method: SpeculativeMethod | None = None
-    # None (auto): 12 for ngram on a GPU (a batch-1 verification step costs about the same for 5 or 13
+    # None (auto): 24 for ngram on a GPU (a batch-1 verification step costs about the same for 5 or 31
     # tokens there: launch-bound), else 4 (on the CPU 8 measured no better; a draft model's round grows
     # with k).
     num_speculative_tokens: int | None = None

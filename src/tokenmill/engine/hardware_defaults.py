@@ -87,14 +87,19 @@ CPU_SPECULATION_MAX_BATCH = 8  # bench speculative: at 64 sequences on 2 cores, 
 # several sequences runs eagerly, ~10x a graphed decode step for a small model: bench speculative, SmolLM2
 # bf16 on the H200, open-ended prompts at 8 / 16 sequences: 0.08x / 0.07x with guesses allowed.
 GPU_SPECULATION_MAX_BATCH = 2
-# bench speculative on the H200 (SmolLM2 bf16, batch 1): code editing / copy mix 1.30x / 1.32x at k = 8,
-# 1.41x / 1.52x at k = 12; on the 2-core CPU k = 4 and 8 were alike (2.21x / 1.71x, 2.15x / 1.81x).
-GPU_NGRAM_TOKENS = 12
+# A batch-1 verification step on a GPU runs through the one-sequence prefill graphs, whose replay costs the
+# same for 13 or 31 tokens (SmolLM2 on the H200: 1,028 / 1,031 us, kernel latency), so a long guess is
+# nearly free when it fails and pays when it holds. bench speculative there (SmolLM2 bf16, batch 1), code
+# editing / copy mix: 1.30x / 1.32x at k = 8, 1.35-1.41x / 1.47-1.52x at 12, 1.49-1.53x / 1.55-1.60x at
+# 20, 1.50-1.59x / 1.62-1.65x at 24, 1.50-1.63x / 1.63-1.64x at 30 (reports/gpu/speculative-ngram-smollm2).
+# On the 2-core CPU, where a verification step's cost grows with its tokens, k = 4 and 8 were alike
+# (2.21x / 1.71x, 2.15x / 1.81x).
+GPU_NGRAM_TOKENS = 24
 DEFAULT_SPECULATIVE_TOKENS = 4
 
 
 def auto_speculative_tokens(method: str | None, device: torch.device) -> int:
-    """``num_speculative_tokens`` left auto: 12 for ngram on a GPU, 4 otherwise."""
+    """``num_speculative_tokens`` left auto: 24 for ngram on a GPU, 4 otherwise."""
     return GPU_NGRAM_TOKENS if device.type == "cuda" and method == "ngram" else DEFAULT_SPECULATIVE_TOKENS
 
 

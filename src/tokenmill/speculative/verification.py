@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from tokenmill.outputs import RowLogprobs
-from tokenmill.runner.sampler import SamplingBatch, SamplingRow, gather_logprobs
+from tokenmill.runner.sampler import SamplingBatch, SamplingRow, gather_logprobs, takes_raw_argmax
 from tokenmill.scheduler.output import ScheduledChunk
 from tokenmill.sequence import Sequence as Seq
 from tokenmill.speculative.rejection import RowNoise, accepted_prefixes, distributions, verify
@@ -42,6 +42,8 @@ def verify_step(
 ) -> dict[Seq, list[tuple[int, RowLogprobs | None]]]:
     """The tokens each sampled chunk keeps (``logits``: ``chunk.num_sampled_rows`` rows per chunk)."""
     seqs = [chunk.seq for chunk in chunks]
+    if all(map(_keeps_raw_argmax, seqs)):  # no sampling rows to build: 1 + k copies of the output each
+        return _greedy_verification(chunks, logits.argmax(dim=-1).tolist())
     rows = [row for chunk in chunks for row in verification_rows(chunk.seq, chunk.num_draft_tokens)]
     counts = [chunk.num_sampled_rows for chunk in chunks]
     grammars = [seq.grammar for seq, count in zip(seqs, counts, strict=True) for _ in range(count)]
@@ -72,6 +74,19 @@ def verify_step(
         out[seq] = [(token, entry if wanted else None) for token, entry in zip(kept, entries, strict=True)]
         first += count
     return out
+
+
+def _keeps_raw_argmax(seq: Seq) -> bool:
+    """Whether every row of ``seq``'s chunk takes the argmax of its unedited logits and reports no
+    logprobs. Banned ids (EOS before ``min_tokens``) only shrink as the output grows: none now, none at
+    the draft tokens' positions."""
+    params = seq.params
+    return (
+        takes_raw_argmax(params)
+        and params.logprobs is None
+        and seq.grammar is None
+        and not seq.banned_token_ids()
+    )
 
 
 def _greedy_verification(

@@ -19,6 +19,7 @@ from tokenmill.runner.sampler.batch import (
     TokenIds,
     TokenIndex,
     seed_for_step,
+    takes_raw_argmax,
 )
 from tokenmill.runner.sampler.filters import apply_top_k_top_p_min_p, top_k_values
 from tokenmill.runner.sampler.logprobs import LogprobsTensors, compute_prompt_logprobs, gather_logprobs
@@ -40,5 +41,6 @@ __all__ = [
     "compute_prompt_logprobs",
     "gather_logprobs",
     "seed_for_step",
+    "takes_raw_argmax",
     "top_k_values",
 ]

@@ -257,6 +257,12 @@ class SamplingBatch:
         )
 
 
+def takes_raw_argmax(params: SamplingParams) -> bool:
+    """Whether a row of ``params`` samples the argmax of its unedited logits (greedy, no penalty, no logit
+    bias), where it has no banned ids and no grammar: a batch of such rows builds no tensor."""
+    return params.is_greedy and not _has_penalty(params) and not params.logit_bias
+
+
 def _has_penalty(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
