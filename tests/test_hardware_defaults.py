@@ -88,17 +88,23 @@ def test_explicit_settings_win_and_auto_follows_what_applies() -> None:
 
 
 def test_speculation_guesses_more_tokens_per_step_with_ngram_on_a_gpu() -> None:
-    """k auto: 12 n-gram guesses on a GPU (a batch-1 verification step is launch-bound there), 4 on a CPU
-    and for a draft model anywhere; an explicit k and an explicit cutoff win."""
+    """k auto: 24 n-gram guesses on a GPU (a batch-1 verification step is launch-bound there); on a CPU 3
+    with packed GGUF weights (1 + 3 rows are one pass of their kernel), else 4, as for a draft model on a
+    GPU; an explicit k and an explicit cutoff win."""
 
-    def spec(platform: Platform, **options: Any) -> tuple[int | None, int | None]:
-        resolved_spec = resolved(platform, **options).speculative
+    def spec(platform: Platform, loaded: str = "none", **options: Any) -> tuple[int | None, int | None]:
+        config = EngineConfig().with_options(**options)
+        resolved_spec = resolve_config(config, platform, 4096, loaded_quantization=loaded).speculative
         return resolved_spec.num_speculative_tokens, resolved_spec.disable_by_batch_size
 
-    assert spec(HOPPER, speculative_method="ngram") == (12, 2)
+    assert spec(HOPPER, speculative_method="ngram") == (24, 2)
     assert spec(CPU, speculative_method="ngram") == (4, 8)
+    assert spec(CPU, "gguf", speculative_method="ngram") == (3, 8)
+    assert spec(CPU, "gguf", speculative_method="ngram", quantization="none") == (4, 8)
+    assert spec(HOPPER, "gguf", speculative_method="ngram") == (24, 2)
     draft = {"speculative_method": "draft_model", "speculative_model": "llama-3.2-1b"}
     assert spec(HOPPER, **draft) == (4, 2)
+    assert spec(CPU, "gguf", **draft) == (3, 8)
     assert spec(HOPPER, speculative_method="ngram", num_speculative_tokens=3) == (3, 2)
     assert spec(CPU, speculative_method="ngram", speculative_disable_by_batch_size=2) == (4, 2)
     with pytest.raises(ValueError, match="num_speculative_tokens is auto"):

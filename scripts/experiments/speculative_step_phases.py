@@ -141,6 +141,55 @@ def phases(loaded: LoadedModel, engine: llm_engine.LLMEngine, max_tokens: int) -
             print(f"  {label:36s} {seconds / len(times) * 1e3:7.3f} ms a step")
 
 
+def verification_gpu_split(loaded: LoadedModel, engine: llm_engine.LLMEngine, max_tokens: int) -> None:
+    """GPU time of each verification step's parts, from CUDA events: the prefill graph (with its input
+    copies), then the logits and the argmax the verification reads back."""
+    runner = engine.runner
+    graphs = runner.prefill_graphs
+    run_graph, compute_logits, verify = graphs.run, runner._compute_logits, model_runner.verify_step
+    marks: list[torch.cuda.Event] = []
+    spans: list[tuple[float, float]] = []
+
+    def mark() -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append(event)
+
+    def timed_graph(chunk: Any) -> Any:
+        marks.clear()
+        mark()
+        out = run_graph(chunk)
+        mark()
+        return out
+
+    def timed_verify(*args: Any) -> Any:
+        out = verify(*args)
+        mark()
+        torch.cuda.synchronize()
+        if len(marks) == 3:
+            spans.append((marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2])))
+        return out
+
+    graphs.run = timed_graph  # type: ignore[method-assign]
+    model_runner.verify_step = timed_verify  # type: ignore[assignment]
+    try:
+        chat = loaded.tokenizer.apply_chat_template  # type: ignore[union-attr]
+        greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+        for index, text in enumerate(prompts.CODE_EDITING):
+            tokens = chat([{"role": "user", "content": text}], True, tokenize=True)
+            engine.add_request(f"split-{index}", tokens, greedy)
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        graphs.run, runner._compute_logits = run_graph, compute_logits  # type: ignore[method-assign]
+        model_runner.verify_step = verify
+    if spans:
+        graph_ms = statistics.median(a for a, _ in spans)
+        rest_ms = statistics.median(b for _, b in spans)
+        print(f"verification GPU split over {len(spans)} steps (median): prefill graph with its copies "
+              f"{graph_ms:.3f} ms, logits + argmax after it {rest_ms:.3f} ms")  # fmt: skip
+
+
 def replay_times(engine: llm_engine.LLMEngine) -> None:
     runner = engine.runner
     sets = [("decode", runner.decode_graphs), ("prefill", runner.prefill_graphs)]
@@ -190,16 +239,20 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true")
     parser.add_argument("--profile-dir", type=Path, help="trace graph replays into this folder")
     parser.add_argument("--dummy", action="store_true", help="random weights (--model names a preset)")
+    parser.add_argument("--quantization", help="e.g. none: a GGUF model's weights as float (default: auto)")
+    parser.add_argument("--gpu-split", action="store_true", help="CUDA-event split of verification steps")
     parser.add_argument("--no-old-policy", action="store_true", help="skip the on-no-overlap engines")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     load_args = argparse.Namespace(
         threads=None, device=device, model=args.model, dtype="bfloat16" if device == "cuda" else "float32",
         load_format="dummy" if args.dummy else "auto", seed=0, tokenizer=None,
-        quantization=None,
+        quantization=args.quantization,
     )  # fmt: skip
     loaded = common.load_for_args(load_args)
     base = EngineConfig().with_options(model=args.model, device=device, max_model_len=2048, num_kv_blocks=512)
+    if args.quantization is not None:
+        base = base.with_options(quantization=args.quantization)
     named = engines(base, loaded, [int(k) for k in args.ks.split(",")], not args.no_old_policy)
     if args.profile_dir is not None:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
@@ -214,6 +267,8 @@ def main() -> None:
         replay_times(named[first_on])
     if args.phases:
         phases(loaded, named[first_on], args.max_tokens)
+    if args.gpu_split and device == "cuda":
+        verification_gpu_split(loaded, named[first_on], args.max_tokens)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ OPTION_HELP: dict[str, str] = {
     "vocabulary); the model checks the guesses in one step, keeping its exact output distribution; "
     "unset: off",
     "num_speculative_tokens": "tokens guessed per step for each decoding sequence (k); unset: 24 for ngram "
-    "on a GPU, else 4",
+    "on a GPU, 3 with packed GGUF weights on the CPU, else 4",
     "prompt_lookup_min": "ngram: the shortest suffix looked up in the prompt and output",
     "prompt_lookup_max": "ngram: the longest suffix looked up (the longest match wins)",
     "speculative_model": "draft_model: the draft model (short name, folder, .gguf file, or a preset with "

@@ -46,8 +46,8 @@ class SpeculativeConfig:
 
     method: SpeculativeMethod | None = None
     # None (auto): 24 for ngram on a GPU (a batch-1 verification step costs about the same for 5 or 31
-    # tokens there: launch-bound), else 4 (on the CPU 8 measured no better; a draft model's round grows
-    # with k).
+    # tokens there: launch-bound); on the CPU 3 with packed GGUF weights (their kernel takes input rows
+    # four at a time), else 4 (8 measured no better; a draft model's round grows with k).
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4

@@ -92,22 +92,31 @@ GPU_SPECULATION_MAX_BATCH = 2
 # nearly free when it fails and pays when it holds. bench speculative there (SmolLM2 bf16, batch 1), code
 # editing / copy mix: 1.30x / 1.32x at k = 8, 1.35-1.41x / 1.47-1.52x at 12, 1.49-1.53x / 1.55-1.60x at
 # 20, 1.50-1.59x / 1.62-1.65x at 24, 1.50-1.63x / 1.63-1.64x at 30 (reports/gpu/speculative-ngram-smollm2).
-# On the 2-core CPU, where a verification step's cost grows with its tokens, k = 4 and 8 were alike
-# (2.21x / 1.71x, 2.15x / 1.81x).
+# On the 2-core CPU a verification step's cost grows with its tokens. Float32 weights are read once a step
+# whatever the rows: k = 4 and 8 were alike (2.21x / 1.71x, 2.15x / 1.81x), 3 a little behind (2.02x /
+# 1.72x against 2.07x / 1.82x at 4). The packed GGUF kernel (a GGUF model's default there) is compute-bound
+# and takes input rows four at a time: 1 + 3 rows are one pass over the weights, 1 + 4 two (a projection
+# of 4 rows 2.0-2.3x one row's time, of 5 rows 2.8-3.2x): the default model's code editing / copy mix
+# 1.47x / 1.39x at k = 3, 1.30x / 1.28x at 4, 1.44x / 1.38x at 2.
 GPU_NGRAM_TOKENS = 24
+PACKED_CPU_SPECULATIVE_TOKENS = 3
 DEFAULT_SPECULATIVE_TOKENS = 4
 
 
-def auto_speculative_tokens(method: str | None, device: torch.device) -> int:
-    """``num_speculative_tokens`` left auto: 24 for ngram on a GPU, 4 otherwise."""
-    return GPU_NGRAM_TOKENS if device.type == "cuda" and method == "ngram" else DEFAULT_SPECULATIVE_TOKENS
+def auto_speculative_tokens(method: str | None, device: torch.device, packed_gguf: bool = False) -> int:
+    """``num_speculative_tokens`` left auto: 24 for ngram on a GPU, 3 with packed GGUF weights on the CPU,
+    4 otherwise."""
+    if device.type == "cuda" and method == "ngram":
+        return GPU_NGRAM_TOKENS
+    return PACKED_CPU_SPECULATIVE_TOKENS if packed_gguf else DEFAULT_SPECULATIVE_TOKENS
 
 
 def _resolve_speculative(config: EngineConfig, platform: Platform) -> SpeculativeConfig:
     spec = config.speculative
     gpu = platform.device.type == "cuda"
     if spec.num_speculative_tokens is None:
-        k = auto_speculative_tokens(spec.method, platform.device)
+        packed_gguf = config.quantization == "gguf" and not gpu
+        k = auto_speculative_tokens(spec.method, platform.device, packed_gguf)
         spec = replace(spec, num_speculative_tokens=k)
     if spec.disable_by_batch_size is None:
         cutoff = GPU_SPECULATION_MAX_BATCH if gpu else CPU_SPECULATION_MAX_BATCH
