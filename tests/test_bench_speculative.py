@@ -2,6 +2,7 @@
 template, which the real-model run in reports/ covers), and the tokens-per-round formula."""
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ import pytest
 from tiny_models import save_tiny_model
 from tokenmill.benchmarks.speculative import command
 from tokenmill.benchmarks.speculative.draft_cost import tokens_per_round
+from tokenmill.benchmarks.speculative.timing import TimedRun
+from tokenmill.outputs import SpecDecodeCounts
 
 
 @pytest.mark.parametrize("acceptance", [0.0, 0.5, 0.9, 1.0])
@@ -70,7 +73,8 @@ def test_ngram_in_bfloat16_checks_a_float32_copy_first(
     monkeypatch.setattr(command.prompts, "CODE_EDITING", [command.prompts.CODE_EDITING[0][:400]])
     monkeypatch.setattr(command.prompts, "COPY_MIX", command.prompts.COPY_MIX[:1])
     args = ["--model", str(smollm2_gguf_path), "--dtype", "bfloat16", "--max-tokens", "4", "--no-progress"]
-    args += ["--batch-size", "2", "--batch-output-len", "4", "--report-dir", str(tmp_path)]
+    args += ["--batch-size", "2", "--batch-output-len", "4", "--batch-rounds", "1"]
+    args += ["--report-dir", str(tmp_path)]
     assert command.main(args) == 0
     out = capsys.readouterr().out
     total = len(command.prompts.CODE_EDITING)
@@ -82,3 +86,19 @@ def test_ngram_in_bfloat16_checks_a_float32_copy_first(
         in report
     )
     assert "prompts whose tokens off and on agree: code editing " in report
+    assert "run 2 times each, off-on-on-off x 1" in report
+    assert re.search(r"- open-ended on / off, each off-on-on-off round apart: \d+\.\d\dx\n", report)
+
+
+def test_each_round_of_the_open_ended_batch_gets_its_own_ratio() -> None:
+    """Rounds run off, on, on, off; a round's ratio is its two on runs' tokens over their time, against
+    its two off runs'."""
+
+    def run(tokens: int, seconds: float) -> TimedRun:
+        return TimedRun("x", [[0] * tokens], tokens, seconds, 1, seconds, SpecDecodeCounts())
+
+    batches = {
+        "off": [run(100, 1.0), run(100, 1.0), run(100, 2.0), run(100, 2.0)],
+        "on": [run(100, 0.5), run(100, 1.5), run(300, 2.0), run(100, 2.0)],
+    }
+    assert command.round_ratios(batches) == pytest.approx([1.0, 2.0])

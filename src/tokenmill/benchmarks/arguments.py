@@ -16,7 +16,7 @@ from tokenmill.benchmarks.ladder.rungs import RUNGS
 from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
 from tokenmill.benchmarks.scenarios.workloads import WORKLOADS
 from tokenmill.benchmarks.seeds.sizes import PRESETS as SEED_PRESETS
-from tokenmill.benchmarks.seeds.sizes import TABLES, add_size_arguments, table_list
+from tokenmill.benchmarks.seeds.sizes import TABLES, add_size_arguments, positive_int, table_list
 from tokenmill.benchmarks.tensor_parallel.arguments import add_tensor_parallel_arguments
 from tokenmill.benchmarks.workload import DATASETS, parse_length_range
 from tokenmill.config import EngineConfig, StructuredOutputBackendName
@@ -351,6 +351,9 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-tokens", type=int, default=320, help="most tokens per batch-1 answer")
     group.add_argument("--batch-size", type=int, default=64, help="open-ended prompts run at once")
     group.add_argument("--batch-output-len", type=int, default=128, help="tokens per open-ended answer")
+    group.add_argument(
+        "--batch-rounds", type=positive_int, default=2, help="off-on-on-off rounds of the open-ended batch"
+    )
     group = parser.add_argument_group("draft model: the cost of a round, the speed-up it implies")
     group.add_argument("--draft-model", default=None, help="a draft model with the model's vocabulary")
     group.add_argument("--draft-load-format", default="auto", choices=CHOICES["load_format"])

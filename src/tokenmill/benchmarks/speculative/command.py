@@ -114,18 +114,16 @@ def ngram_part(args: argparse.Namespace, loaded: LoadedModel) -> tuple[list[Time
         runs += pair
     open_chats = [_chat(loaded, text) for text in prompts.open_ended(args.batch_size)]
     batch = SamplingParams(temperature=0, max_tokens=args.batch_output_len, ignore_eos=True)
-    batches: dict[str, list[TimedRun]] = {side: [] for side in engines}
-    for round_sides in (["off", "on"], ["on", "off"]):  # off, on, on, off: load and order hit both alike
-        for side in round_sides:
-            batches[side].append(all_at_once(f"open-ended, {side}", engines[side], open_chats, batch))
+    batches = open_ended_rounds(engines, open_chats, batch, args.batch_rounds)
     pair = [merged(f"open-ended, {side}", side_runs) for side, side_runs in batches.items()]
     print(describe_pair("open-ended", *pair), flush=True)
     runs += pair
+    per_round = ", ".join(f"{ratio:.2f}x" for ratio in round_ratios(batches))
     workload = (
         f"SmolLM2-style chat prompts, greedy; batch 1: {len(prompts.CODE_EDITING)} code-editing and "
         f"{len(prompts.COPY_MIX)} copy-heavy prompts, up to {args.max_tokens} tokens each; batch "
         f"{args.batch_size}: open-ended prompts, {args.batch_output_len} tokens each (EOS ignored), run "
-        "twice each, off-on-on-off; "
+        f"{2 * args.batch_rounds} times each, off-on-on-off x {args.batch_rounds}; "
         f"n-gram k={engines['on'].config.speculative.num_tokens}, n={spec.prompt_lookup_min}.."
         f"{spec.prompt_lookup_max}"
     )
@@ -142,7 +140,30 @@ def ngram_part(args: argparse.Namespace, loaded: LoadedModel) -> tuple[list[Time
             f" prompts whose tokens off and on agree: {', '.join(agreeing)} (a verification step rounds as "
             "the prefill kernels do)"
         )
-    return runs, [*header, "", *render(runs, args.batch_size, loaded.device.type), f"- correctness: {check}"]
+    table = render(runs, args.batch_size, loaded.device.type)
+    rounds = f"- open-ended on / off, each off-on-on-off round apart: {per_round}"
+    return runs, [*header, "", *table, rounds, f"- correctness: {check}"]
+
+
+def open_ended_rounds(
+    engines: dict[str, LLMEngine], chats: list[list[int]], params: SamplingParams, rounds: int
+) -> dict[str, list[TimedRun]]:
+    """Each engine's runs of the whole batch, ``rounds`` times off, on, on, off (load and order hit both
+    sides alike; a run of a small model takes well under a second on a GPU, so one round is noisy)."""
+    batches: dict[str, list[TimedRun]] = {side: [] for side in engines}
+    for _ in range(rounds):
+        for side in ("off", "on", "on", "off"):
+            batches[side].append(all_at_once(f"open-ended, {side}", engines[side], chats, params))
+    return batches
+
+
+def round_ratios(batches: dict[str, list[TimedRun]]) -> list[float]:
+    """On / off output tok/s of each off-on-on-off round."""
+    ratios = []
+    for start in range(0, len(batches["on"]), 2):
+        on, off = (merged(side, batches[side][start : start + 2]) for side in ("on", "off"))
+        ratios.append(on.output_tok_s / off.output_tok_s if off.output_tok_s else 0.0)
+    return ratios
 
 
 def float32_check(args: argparse.Namespace, chats: list[list[int]], params: SamplingParams) -> bool:
