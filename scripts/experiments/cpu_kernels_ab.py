@@ -55,15 +55,7 @@ def _libraries(commit: str) -> dict[str, dict[str, ctypes.CDLL]]:
         if attend is None or linear is None:
             sys.exit("no C compiler")
         linear.gguf_linear_prologue.argtypes = prologue.FUSED_ARGTYPES
-        linear.gguf_dequantize.argtypes = (
-            [ctypes.c_void_p] * 3
-            + [ctypes.c_int64] * 2
-            + [ctypes.c_int] * 3
-            + [
-                ctypes.c_void_p,
-                ctypes.c_int,
-            ]
-        )
+        linear.gguf_dequantize.argtypes = projection.load_kernel().gguf_dequantize.argtypes
         attend.decode_attention.argtypes = attention.ARGTYPES
         built[mode] = {"attention": attend, "linear": linear}
     return built

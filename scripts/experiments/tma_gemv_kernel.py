@@ -13,17 +13,35 @@ compiles it for sm_90 on the CPU machine and prints whether the loop's loads bec
 """
 
 import os
+import pathlib
 import re
-import subprocess
 import sys
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from sass_offline import sass_summary
+
 from tokenmill.kernels.gemv_tiles import as_float32, float32_factor, input_tile
 from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
+
+
+@triton.jit
+def _step(
+    weight, start, products, squares, x_ptr, residual_ptr, norm_weight_ptr, new_residual_ptr, written_cols,
+    in_features, prologue: tl.constexpr, unit_offset: tl.constexpr, block_k: tl.constexpr,
+):  # fmt: skip
+    """One weight tile's products with the prologue's input columns ``[start, start + block_k)``."""
+    cols = start + tl.arange(0, block_k)
+    x, x_squares = input_tile(
+        x_ptr, residual_ptr, norm_weight_ptr, new_residual_ptr, cols, cols < in_features, written_cols,
+        in_features, prologue, unit_offset,
+    )  # fmt: skip
+    return products + as_float32(weight) * x[None, :], squares + x_squares
 
 
 @triton.jit
@@ -57,33 +75,18 @@ def tma_gemv_kernel(
     if peel:  # the first tile loaded before waiting for the previous kernel, the rest pipelined after
         first_weight = weight_desc.load([row0, 0])
         wait_for_previous_kernel(pdl)
-        cols = tl.arange(0, block_k)
-        x, x_squares = input_tile(
-            x_ptr, residual_ptr, norm_weight_ptr, new_residual_ptr, cols, cols < in_features, written_cols,
-            in_features, prologue, unit_offset,
+        products, squares = _step(
+            first_weight, 0, products, squares, x_ptr, residual_ptr, norm_weight_ptr, new_residual_ptr,
+            written_cols, in_features, prologue, unit_offset, block_k,
         )  # fmt: skip
-        products += as_float32(first_weight) * x[None, :]
-        squares += x_squares
         first = block_k
     else:
         wait_for_previous_kernel(pdl)
     for start in tl.range(first, in_features, block_k, num_stages=stages):
-        cols = start + tl.arange(0, block_k)
-        weight = weight_desc.load([row0, start])
-        x, x_squares = input_tile(
-            x_ptr,
-            residual_ptr,
-            norm_weight_ptr,
-            new_residual_ptr,
-            cols,
-            cols < in_features,
-            written_cols,
-            in_features,
-            prologue,
-            unit_offset,
-        )
-        products += as_float32(weight) * x[None, :]
-        squares += x_squares
+        products, squares = _step(
+            weight_desc.load([row0, start]), start, products, squares, x_ptr, residual_ptr, norm_weight_ptr,
+            new_residual_ptr, written_cols, in_features, prologue, unit_offset, block_k,
+        )  # fmt: skip
     out = tl.sum(products, axis=1) * float32_factor(weight_desc.dtype)
     out *= tl.load(weight_scale_ptr + features, mask=feature_ok, other=0.0)
     if prologue == 1 or prologue == 2:
@@ -135,7 +138,7 @@ def tma_gemv(
     return out, new_residual
 
 
-def compile_for_sm90(weight: str, prologue: int, block: tuple[int, int, int, int]) -> dict[str, str]:
+def compile_for_sm90(weight: str, prologue: int, block: tuple[int, int, int, int]) -> Any:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -159,15 +162,15 @@ def compile_for_sm90(weight: str, prologue: int, block: tuple[int, int, int, int
     kernel = triton.compile(
         source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
     )
-    return kernel.asm
+    return kernel
 
 
 def main(argv: list[str]) -> None:
     weight = argv[0] if argv else "i8"
     prologue = int(argv[1]) if len(argv) > 1 else 0
     block = tuple(int(v) for v in argv[2:6]) if len(argv) > 5 else (32, 256, 4, 4)
-    asm = compile_for_sm90(weight, prologue, block)  # type: ignore[arg-type]
-    ttgir = asm["ttgir"]
+    kernel = compile_for_sm90(weight, prologue, block)  # type: ignore[arg-type]
+    ttgir = kernel.asm["ttgir"]
     print(weight, prologue, block, "triton", triton.__version__)
     for pattern in (
         "async_tma_copy_global_to_local",
@@ -177,14 +180,7 @@ def main(argv: list[str]) -> None:
         "async_copy_global_to_local",
     ):
         print(f"  {pattern}: {len(re.findall(pattern, ttgir))}")
-    path = "/tmp/tma_gemv_sm90.cubin"
-    with open(path, "wb") as file:
-        file.write(asm["cubin"])
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    usage = subprocess.run(
-        [os.path.join(bin_dir, "cuobjdump"), "-res-usage", path], capture_output=True, text=True
-    )
-    print(" ", " ".join(re.findall(r"(REG:\d+|SHARED:\d+)", usage.stdout)))
+    print(" ", sass_summary(kernel)[0])
     if os.environ.get("SHOW_TTGIR"):
         print(ttgir)
 

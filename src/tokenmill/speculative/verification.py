@@ -42,7 +42,7 @@ def verify_step(
 ) -> dict[Seq, list[tuple[int, RowLogprobs | None]]]:
     """The tokens each sampled chunk keeps (``logits``: ``chunk.num_sampled_rows`` rows per chunk)."""
     seqs = [chunk.seq for chunk in chunks]
-    if all(map(_keeps_raw_argmax, seqs)):  # no sampling rows to build: 1 + k copies of the output each
+    if all(map(_keeps_raw_argmax, seqs)):  # greedy, nothing to edit: only the argmax is read back
         return _greedy_verification(chunks, logits.argmax(dim=-1).tolist())
     rows = [row for chunk in chunks for row in verification_rows(chunk.seq, chunk.num_draft_tokens)]
     counts = [chunk.num_sampled_rows for chunk in chunks]
@@ -54,9 +54,6 @@ def verify_step(
         bitmask = structured.bitmask(grammars)
     device = logits.device
     batch = SamplingBatch.build(rows, vocab_size, device, bitmask)
-    unedited = not batch.needs_logit_edits and bitmask is None
-    if batch.draw is None and unedited and batch.max_num_logprobs is None:
-        return _greedy_verification(chunks, logits.argmax(dim=-1).tolist())
     masked = logits.float()
     if bitmask is not None:
         masked = apply_token_bitmask(masked, bitmask)
