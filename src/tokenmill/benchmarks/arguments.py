@@ -3,8 +3,6 @@ flag fail at once, before torch, transformers or a model is loaded. Each benchma
 the function here; its module holds the run."""
 
 import argparse
-import math
-import os
 import typing
 from collections.abc import Callable, Collection
 from dataclasses import fields
@@ -17,6 +15,7 @@ from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
 from tokenmill.benchmarks.scenarios.workloads import WORKLOADS
 from tokenmill.benchmarks.seeds.sizes import PRESETS as SEED_PRESETS
 from tokenmill.benchmarks.seeds.sizes import TABLES, add_size_arguments, positive_int, table_list
+from tokenmill.benchmarks.serve.arguments import add_serve_arguments
 from tokenmill.benchmarks.tensor_parallel.arguments import add_tensor_parallel_arguments
 from tokenmill.benchmarks.workload import DATASETS, parse_length_range
 from tokenmill.config import EngineConfig, StructuredOutputBackendName
@@ -152,87 +151,6 @@ def add_load_memory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=CHOICES["load_format"])
     parser.add_argument("--quantization", default="none", choices=("none", "int8", "fp8"))
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
-DEFAULT_CONCURRENCY = "1,8,32,128"
-
-
-def _positive_ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{what} must be >= 1, got '{text}'")
-    return values
-
-
-def concurrency_levels(text: str) -> list[int]:
-    return _positive_ints(text, "concurrency levels")
-
-
-def prompt_counts(text: str) -> list[int]:
-    return _positive_ints(text, "prompt counts")
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--url", default="http://127.0.0.1:8000", help="server base URL (with or without /v1)"
-    )
-    parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    parser.add_argument(
-        "--concurrency", type=concurrency_levels, default=concurrency_levels(DEFAULT_CONCURRENCY)
-    )
-    parser.add_argument(
-        "--request-rate", type=float, default=math.inf, help="requests/s (default: all at once)"
-    )
-    parser.add_argument(
-        "--num-prompts",
-        type=prompt_counts,
-        default=[64],
-        help="requests per concurrency level: one count, or one per level (comma-separated)",
-    )
-    parser.add_argument(
-        "--input-len",
-        type=parse_length_range,
-        default=(64, 64),
-        metavar="N|MIN-MAX",
-        help="words per synthetic prompt (~tokens), or a range drawn uniformly per request",
-    )
-    parser.add_argument(
-        "--output-len",
-        type=parse_length_range,
-        default=(64, 64),
-        metavar="N|MIN-MAX",
-        help="max_tokens of each request, or a range drawn uniformly per request",
-    )
-    parser.add_argument("--dataset", type=Path, default=None, help="JSON lines with a 'prompt' each")
-    parser.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=1, help="short requests sent before measuring")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument(
-        "--client-processes",
-        type=int,
-        default=None,
-        help="client processes per level (default: one per 16 streams, at most half the cores)",
-    )
-    parser.add_argument("--report-dir", type=Path, default=None, help="write serve.json / .md / .png here")
-    parser.add_argument(
-        "--offline",
-        metavar="MODEL",
-        default=None,
-        help="run the same requests in this process through the engine (its defaults) instead of a server",
-    )
-    parser.add_argument(
-        "--compare",
-        action="append",
-        default=[],
-        metavar="LABEL=SERVE_JSON",
-        help="set this run beside another run's serve.json, level by level (repeatable)",
-    )
 
 
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")

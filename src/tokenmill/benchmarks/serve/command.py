@@ -32,8 +32,8 @@ from typing import Any
 
 import httpx
 
-from tokenmill.benchmarks.arguments import add_serve_arguments as add_arguments
 from tokenmill.benchmarks.report import client_machine, detect_hardware, provenance
+from tokenmill.benchmarks.serve.arguments import add_serve_arguments as add_arguments
 from tokenmill.benchmarks.serve.client import (
     BenchRequest,
     LevelResult,
