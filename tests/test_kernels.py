@@ -220,8 +220,9 @@ def test_write_kv_skips_negative_slots(
 
 # -- small-batch projections (EngineConfig.fused_gemv) -------------------------------------------------
 
-# (rows, out features, in features): partial row blocks, in features not a multiple of the K block.
-GEMV_SHAPES = [(1, 40, 96), (1, 33, 200), (1, 8, 64), (1, 130, 1000)]
+# (rows, out features, in features): partial row blocks, in features not a multiple of the K block; one
+# row (the CUDA-core kernel), and 2-32 rows (small batches, speculative verification: the tensor cores).
+GEMV_SHAPES = [(1, 40, 96), (1, 33, 200), (1, 8, 64), (1, 130, 1000), (2, 40, 96), (7, 33, 200), (32, 8, 64)]
 SMALL_GEMV = GemvConfig(block_n=8, block_k=32, num_warps=4, num_stages=1)
 
 
@@ -323,8 +324,8 @@ def test_gated_gemv(device: str, dtype: torch.dtype, shape: tuple[int, int, int]
 
 
 def test_gemv_refuses_what_it_cannot_take(device: str) -> None:
-    x = torch.randn(2, 16, device=device)
-    with pytest.raises(ValueError, match="at most 1 row"):
+    x = torch.randn(33, 16, device=device)
+    with pytest.raises(ValueError, match="at most 32 rows"):
         gemv(x, torch.randn(8, 16, device=device))
     with pytest.raises(ValueError, match="does not fit"):
         gemv(x[:1], torch.randn(8, 15, device=device))
@@ -674,7 +675,7 @@ KERNELS_OF_TOGGLE = {
     "activation": ("tokenmill.kernels.activation", ("silu_and_mul", "gelu_tanh_and_mul")),
     "gemv": ("tokenmill.kernels.gemv", ("gemv", "rms_norm_gemv", "gated_gemv")),
 }
-# A prefill-sized packing, and a single token (what the GEMV path takes).
+# A prefill-sized packing (what the GEMV takes with gemv_rows), and a single token (what it always takes).
 PACKINGS = ([5, 1, 9], [1])
 # Relative (Frobenius) logit difference between the fused and the PyTorch model: the kernels round where
 # the layers do, so only float32 sums in another order differ (and then rounding, at half precision).
@@ -738,17 +739,40 @@ def test_fused_model_matches_pytorch_and_toggles_are_independent(  # type: ignor
     model = load_model(tiny_model_folder, device=device, dtype=dtype).model
     references = [packed_logits(model, lens, device) for lens in PACKINGS]
     calls = KernelCalls(monkeypatch)
-    settings = [dict.fromkeys(KERNEL_TOGGLES, True)] + [{name: True} for name in KERNEL_TOGGLES]
+    every = dict.fromkeys(KERNEL_TOGGLES, True) | {"gemv_rows": True}
+    settings = [every, {"gemv": True, "gemv_rows": True}] + [{name: True} for name in KERNEL_TOGGLES]
     for setting in settings:
         configured = model.with_kernels(KernelOptions(**setting))
         for lens, reference in zip(PACKINGS, references, strict=True):
             logits = packed_logits(configured, lens, device)
             difference = float((logits - reference).norm() / reference.norm())
             assert difference <= MODEL_TOLERANCE[dtype], (setting, lens, difference)
-        assert calls.used() == set(setting), setting
+        assert calls.used() == set(setting) - {"gemv_rows"}, setting  # gemv_rows: the gemv functions
     for lens, reference in zip(PACKINGS, references, strict=True):
         assert torch.equal(packed_logits(model, lens, device), reference)
     assert calls.used() == set()
+
+
+def test_gemv_rows_takes_small_weights_only_and_no_prologue_above_one_row() -> None:
+    """Which inputs a projection sends to the GEMV: one row always (with ``gemv``); 2-32 rows with
+    ``gemv_rows`` for weights under ``GEMV_ROWS_MAX_WEIGHTS`` elements, and then without a fused prologue."""
+    from tokenmill.kernels.options import GEMV_MAX_ROWS, GEMV_ROWS_MAX_WEIGHTS, KernelOptions
+    from tokenmill.models.layers import RowParallelLinear
+    from tokenmill.models.layers.linear import gemv_fits
+
+    small, large = RowParallelLinear(64, 32), RowParallelLinear(2048, 2048)
+    assert small.weight.numel() < GEMV_ROWS_MAX_WEIGHTS <= large.weight.numel()
+    rows = {n: torch.empty(n, 64) for n in (1, 2, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1)}
+    small.configure(KernelOptions(gemv=True, gemv_rows=True))
+    assert [gemv_fits(x, small) for x in rows.values()] == [True, True, True, False]
+    assert [gemv_fits(x, small, prologue=True) for x in rows.values()] == [True, False, False, False]
+    large.configure(KernelOptions(gemv=True, gemv_rows=True))
+    wide = {n: torch.empty(n, 2048) for n in (1, 2)}
+    assert [gemv_fits(x, large) for x in wide.values()] == [True, False]
+    small.configure(KernelOptions(gemv=True))
+    assert [gemv_fits(x, small) for x in rows.values()] == [True, False, False, False]
+    small.configure(KernelOptions(gemv_rows=True))  # gemv_rows without gemv: nothing
+    assert not any(gemv_fits(x, small) for x in rows.values())
 
 
 def test_kernel_options_auto_is_off_on_cpu_and_explicit_on_needs_triton(
@@ -784,10 +808,10 @@ def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_fo
     reference = greedy_generate(loaded.model, [4, 8, 15, 16], 3).token_ids  # plain PyTorch: no kernels yet
     engine = engine_for(
         loaded, device=device, attention_backend="triton", block_size=4, num_kv_blocks=64, max_model_len=64,
-        fused_rms_norm=True, fused_rotary=True, fused_activation=True, fused_gemv=True,
+        fused_rms_norm=True, fused_rotary=True, fused_activation=True, fused_gemv=True, fused_gemv_rows=True,
         fused_decode_rotary_kv=True, fused_sampling=True,
     )  # fmt: skip
-    assert engine.runner.model.kernel_options.enabled == KERNEL_TOGGLES
+    assert engine.runner.model.kernel_options.enabled == (*KERNEL_TOGGLES, "gemv_rows")
     assert not loaded.model.kernel_options.enabled, "the engine configures a copy, not the loaded model"
     assert engine.runner.sampler.fused and engine.runner.backend.fused_decode_rotary_kv
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -1,7 +1,7 @@
-"""Batch-1 decode rate for the engine A/B scripts beside this one (``gemv_engine_ab.py``,
-``split_k_gemv_ab.py``, ``word_gemv_ab.py``): a prompt of ``prompt_len`` token ids, ``tokens`` greedy tokens
-with EOS ignored, the rate from the difference of a ``tokens + 1`` run and a 1-token run (so prefill and
-the first token drop out), the median of ``repeats``, after one warm-up run."""
+"""Decode rate for the engine A/B scripts beside this one (``gemv_engine_ab.py``, ``gemv_rows_graphs_ab.py``,
+``split_k_gemv_ab.py``, ``word_gemv_ab.py``): ``batch`` prompts of ``prompt_len`` token ids, ``tokens``
+greedy tokens with EOS ignored, the rate from the difference of a ``tokens + 1`` run and a 1-token run (so
+prefill and the first token drop out), the median of ``repeats``, after one warm-up run."""
 
 import json
 import statistics
@@ -16,22 +16,22 @@ from tokenmill import LLM, SamplingParams
 
 
 def decode_rate(
-    llm: LLM, prompt_len: int = 128, tokens: int = 160, repeats: int = 3
+    llm: LLM, prompt_len: int = 128, tokens: int = 160, repeats: int = 3, batch: int = 1
 ) -> tuple[float, list[float]]:
-    """(median tok/s, every run's tok/s)."""
-    ids = list(range(1000, 1000 + prompt_len))
+    """(median tok/s, every run's tok/s) over ``batch`` prompts decoded together (all rows' tokens)."""
+    prompts = [
+        {"prompt_token_ids": list(range(1000 + 7 * r, 1000 + 7 * r + prompt_len))} for r in range(batch)
+    ]
 
     def seconds(n: int) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        llm.generate(
-            [{"prompt_token_ids": ids}], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        )
+        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
     seconds(tokens)
-    rates = [tokens / (seconds(tokens + 1) - seconds(1)) for _ in range(repeats)]
+    rates = [batch * tokens / (seconds(tokens + 1) - seconds(1)) for _ in range(repeats)]
     return statistics.median(rates), rates
 
 

@@ -62,6 +62,9 @@ from tokenmill.benchmarks.tensor_parallel.engines import in_fresh_process, rando
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.profiling import profile_engine
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported by path
+from speculative_step_phases import replay_micros
+
 # Kernel groups for the report, first match wins (names lower-cased). Wider than kernel_profile.KINDS:
 # the W8A8 path's row quantization and epilogue count with the projections, the split argmax with sampling.
 GROUPS = (
@@ -201,16 +204,7 @@ def replay_graph(engine: LLMEngine, directory: Path) -> tuple[float | None, Path
     if graphs is None or 1 not in graphs.graphs:
         return None, None
     graph = graphs.graphs[1]
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    micros = begin.elapsed_time(end) / REPLAYS * 1e3
+    micros = replay_micros(graph, REPLAYS)
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(PROFILED_REPLAYS):

@@ -191,6 +191,20 @@ def verification_gpu_split(loaded: LoadedModel, engine: llm_engine.LLMEngine, ma
               f"{graph_ms:.3f} ms, logits + argmax after it {rest_ms:.3f} ms")  # fmt: skip
 
 
+def replay_micros(graph: torch.cuda.CUDAGraph, replays: int = 200) -> float:
+    """GPU µs per replay of ``graph``, ``replays`` back to back after 10 warm-up replays."""
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / replays * 1e3
+
+
 def replay_times(engine: llm_engine.LLMEngine) -> None:
     runner = engine.runner
     sets = [("decode", runner.decode_graphs), ("prefill", runner.prefill_graphs)]
@@ -198,17 +212,7 @@ def replay_times(engine: llm_engine.LLMEngine) -> None:
         if graphs is None:
             continue
         for size, graph in sorted(graphs.graphs.items())[:4]:
-            for _ in range(10):
-                graph.replay()
-            torch.cuda.synchronize()
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(200):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            micros = begin.elapsed_time(end) / 200 * 1e3
-            print(f"{name} graph of {size}: {micros:.1f} µs a replay (GPU, back to back)")
+            print(f"{name} graph of {size}: {replay_micros(graph):.1f} µs a replay (GPU, back to back)")
 
 
 def profile_graphs(engine: llm_engine.LLMEngine, folder: Path) -> None:

@@ -26,6 +26,7 @@ FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_rotary",
     "fused_activation",
     "fused_gemv",
+    "fused_gemv_rows",
     "fused_w8a8",
     "fused_decode_rotary_kv",
     "fused_sampling",
@@ -150,6 +151,10 @@ class KernelConfig:
     # q/k/v and gate/up, and the gated activation before down_proj, fused into their loads; the LM head
     # too, writing float32 logits directly.
     fused_gemv: bool | None = None
+    # Projections of 2-32 rows (small-batch decode, speculative verification) of small weights (below
+    # kernels.options.GEMV_ROWS_MAX_WEIGHTS elements) through the GEMV on the tensor cores instead of
+    # cuBLAS, launched programmatically dependent like the norm and activation kernels around them.
+    fused_gemv_rows: bool | None = None
     # Quantized int8 / fp8 weights: projections of more than one row multiply 8-bit activations (quantized
     # per token in one launch) on the 8-bit tensor cores (torch._scaled_mm / torch._int_mm); off, the
     # weight is dequantized for F.linear (slow, but weight-only). One-row projections take fused_gemv.

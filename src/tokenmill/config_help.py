@@ -87,6 +87,9 @@ OPTION_HELP: dict[str, str] = {
     "fused_activation": "Triton SwiGLU / GeGLU; unset: on with CUDA + Triton",
     "fused_gemv": "batch-1 projections as Triton GEMVs with the norm and activation fused into their "
     "loads; unset: on with CUDA + Triton",
+    "fused_gemv_rows": "projections of 2-32 rows (small-batch decode, speculative verification) of weights "
+    "under 2M elements through the Triton GEMV on the tensor cores instead of cuBLAS; unset: on with CUDA "
+    "+ Triton",
     "fused_w8a8": "int8 / fp8 weights: projections of more than one row take 8-bit activations (per-token "
     "scales) on the 8-bit tensor cores; unset: on with CUDA + Triton",
     "fused_decode_rotary_kv": "Triton attention: decode steps rotate q and k and store the new K/V inside "

@@ -89,6 +89,7 @@ class TritonAttentionBackend(AttentionBackend):
             window,
             self.prefill_config,
             metadata.derived,
+            pdl=self.pdl,
         )
 
     def _decode_fused(

@@ -232,4 +232,5 @@ def kernel_options_for(config: EngineConfig, device: torch.device) -> KernelOpti
         gguf_activations=gguf_activations(kernels.gguf_activations) if packed_gguf else "float32",
         gguf_decode_blocks=packed_gguf and kernels.gguf_decode_blocks,
         w8a8=kernels.fused_w8a8,
+        gemv_rows=kernels.fused_gemv_rows,
     )

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
+from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 
 BLOCK = 1024
 SILU = 0
@@ -23,7 +24,9 @@ def _gated_activation_kernel(
     out_row_stride: int,
     activation: tl.constexpr,
     block: tl.constexpr,
+    pdl: tl.constexpr,
 ) -> None:
+    wait_for_previous_kernel(pdl)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * block + tl.arange(0, block)
     mask = cols < inter
@@ -41,17 +44,17 @@ def _gated_activation_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, product.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: ``silu(x[..., :I]) * x[..., I:]``."""
-    return _gated(x, SILU)
+def silu_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """SwiGLU: ``silu(x[..., :I]) * x[..., I:]``; ``pdl``: launched programmatically dependent."""
+    return _gated(x, SILU, pdl)
 
 
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_and_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """GeGLU with the tanh approximation of GELU: ``gelu_tanh(x[..., :I]) * x[..., I:]``."""
-    return _gated(x, GELU_TANH)
+    return _gated(x, GELU_TANH, pdl)
 
 
-def _gated(x: torch.Tensor, activation: int) -> torch.Tensor:
+def _gated(x: torch.Tensor, activation: int, pdl: bool) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"the fused [gate | up] dimension must be even, got {x.shape[-1]}")
     inter = x.shape[-1] // 2
@@ -62,6 +65,7 @@ def _gated(x: torch.Tensor, activation: int) -> torch.Tensor:
         block = min(BLOCK, next_power_of_2(inter))
         grid = (rows.shape[0], triton.cdiv(inter, block))
         _gated_activation_kernel[grid](
-            rows, out, inter, rows.stride(0), out.stride(0), activation=activation, block=block, num_warps=4
-        )
+            rows, out, inter, rows.stride(0), out.stride(0), activation=activation, block=block, pdl=pdl,
+            num_warps=4, **launch_options(pdl),
+        )  # fmt: skip
     return out.view(*x.shape[:-1], inter)

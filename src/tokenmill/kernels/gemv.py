@@ -1,5 +1,5 @@
-"""Projections of one row (batch-1 decode): ``y = f(x) W^T (+ b)`` as a Triton GEMV, with the step before
-the projection fused into its input loads.
+"""Projections of one row (batch-1 decode), and of up to 32 (small batches, speculative verification):
+``y = f(x) W^T (+ b)`` as a Triton GEMV, with the step before the projection fused into its input loads.
 
 At one token per step a projection reads the whole weight matrix to do one multiply-add per element, so
 it is bound by memory bandwidth, and at a 1B model's sizes the launches around it cost as much as the
@@ -16,8 +16,9 @@ step), and recomputes the cheap input transform from the (L2-resident) activatio
 * ``gated_gemv``: SwiGLU / GeGLU of a fused ``[gate | up]`` row before down_proj, rounded where
   ``models/layers/activation.py`` rounds.
 
-Products accumulate in float32. Inputs of more rows go to cuBLAS (``F.linear``), which reads the weights
-once for all of them.
+Products accumulate in float32. Inputs of 2-32 rows go to the tensor-core kernel
+(``kernels/gemv_tensor_core.py``), a tile of rows against each weight tile; the layers send them there
+without a prologue, for small weights only (``KernelOptions.gemv_rows``). More rows go to cuBLAS.
 
 8-bit weights (int8 or float8 e4m3, ``weight_scale`` per output row) are read as they are and converted in
 registers: a row's scale is a factor of its whole sum, so it is applied once, at the end. Reading half the
@@ -75,6 +76,17 @@ def default_gemv_config(out_features: int, in_features: int, weight_bytes: int =
         return GemvConfig(4, 2048, 8, 1)
     block_n = max([2] + [rows for rows in (4, 8) if out_features // rows >= GEMV_MIN_PROGRAMS])
     return GemvConfig(block_n, min(1024, next_power_of_2(in_features)), 4, 1)
+
+
+def rows_gemv_config(num_rows: int) -> GemvConfig:
+    """2-32 rows (small-batch decode, speculative verification) on the tensor cores: 32 output features
+    by 256 inputs a step, three stages, two warps up to 16 rows and four above (the best plain projection
+    at 8 and 25 rows in an H200 sweep of SmolLM2, Llama-3.2-1B and Llama-3.1-8B shapes over block_n
+    32-128, block_k 128-256, 2-4 warps, 2-3 stages:
+    reports/gpu/speculative-ngram-smollm2/gemv-rows-sweep/). The layers give it no prologue: fused into
+    more than one row, every program recomputes the prologue for all of them, which costs more than the
+    launch it saves (same report)."""
+    return GemvConfig(32, 256, 2 if num_rows <= 16 else 4, 3, True)
 
 
 def _one_byte_config(out_features: int, in_features: int) -> GemvConfig:
@@ -248,7 +260,7 @@ def _launch(
     num_rows = x.shape[0]
     out_features = weight.shape[0]
     if x.dim() != 2 or num_rows > MAX_ROWS:
-        raise ValueError(f"gemv takes [M, K] inputs of at most {MAX_ROWS} row, got {list(x.shape)}")
+        raise ValueError(f"gemv takes [M, K] inputs of at most {MAX_ROWS} rows, got {list(x.shape)}")
     if weight.dim() != 2 or weight.shape[1] != in_features:
         raise ValueError(f"weight {weight.dtype}{list(weight.shape)} does not fit x {x.dtype}{list(x.shape)}")
     _check_weight_dtype(x, weight, weight_scale)
@@ -262,12 +274,13 @@ def _launch(
     if num_rows == 0:
         return out, new_residual
     if config is None:
-        config = default_gemv_config(out_features, in_features, weight.element_size())
+        if num_rows > 1:
+            config = rows_gemv_config(num_rows)
+        else:
+            config = default_gemv_config(out_features, in_features, weight.element_size())
         if x.device.type == "cpu":  # the interpreter: its cost is per program, so fewer, wider ones
             config = config._replace(block_n=max(config.block_n, INTERPRETER_BLOCK_N))
-    if config.tensor_cores and prologue in (PLAIN, RMS_NORM, ADD_RMS_NORM):
-        if weight_scale is None:
-            raise ValueError("the tensor-core GEMV takes 8-bit weights (with their weight_scale) only")
+    if num_rows > 1 or (config.tensor_cores and prologue in (PLAIN, RMS_NORM, ADD_RMS_NORM)):
         launch_tensor_core_gemv(
             x, weight, weight_scale, bias, out, config[:4], prologue, pdl, residual, norm_weight,
             new_residual, eps, unit_offset,

@@ -12,9 +12,16 @@ import torch
 from tokenmill.config import GGUFActivations
 from tokenmill.kernels import interpreter_enabled, triton_available
 
-# Rows (tokens) a projection may have to go through tokenmill.kernels.gemv; more go to cuBLAS, which reads
-# the weights once for all of them.
-GEMV_MAX_ROWS = 1
+# Rows (tokens) a projection may have to go through tokenmill.kernels.gemv (with ``gemv_rows``; one row
+# without); more go to cuBLAS.
+GEMV_MAX_ROWS = 32
+# With gemv_rows, only weights of fewer elements take more than one row. Measured on the H200 (bf16,
+# reports/gpu/speculative-ngram-smollm2/gemv-rows/): SmolLM2-135M's projections (at most 1.8M elements)
+# replay decode graphs of 2-32 rows in 636-693 µs instead of 875-893 and its 16-token prefill graph in 710
+# instead of 933; Llama-3.2-1B's (4.2M and more) are 5-15% slower than on cuBLAS. Sizes in between were
+# not measured, so the cut sits just above SmolLM2's (it also keeps tensor-parallel shards of 1B and 8B
+# models, 2.1M and more, on cuBLAS).
+GEMV_ROWS_MAX_WEIGHTS = 1 << 21
 _NOT_KERNELS = ("pdl", "prepacked_cpu_linear", "gguf_packed", "gguf_activations", "gguf_decode_blocks")
 
 
@@ -26,7 +33,9 @@ class KernelOptions:
     rms_norm: bool = False  # RMSNorm, and the residual add fused into it (tokenmill.kernels.rmsnorm)
     rotary: bool = False  # rotary embedding of q and k in place, one launch (tokenmill.kernels.rotary)
     activation: bool = False  # SwiGLU / GeGLU activation-and-multiply (tokenmill.kernels.activation)
-    gemv: bool = False  # projections of a few rows, norm / activation fused in (tokenmill.kernels.gemv)
+    gemv: bool = False  # one-row projections, norm / activation fused in (tokenmill.kernels.gemv)
+    # With gemv: up to GEMV_MAX_ROWS rows too for small weights, on the tensor cores, with no prologue.
+    gemv_rows: bool = False
     # 8-bit weights' projections of more rows on the 8-bit tensor cores, the activations quantized per
     # token (tokenmill.kernels.scaled_matmul); off, they run dequantized (a reference, not a fast path).
     w8a8: bool = False
@@ -59,6 +68,7 @@ class KernelOptions:
         gguf_packed: bool = False,
         gguf_activations: GGUFActivations = "float32",
         gguf_decode_blocks: bool = False,
+        gemv_rows: bool | None = None,
     ) -> "KernelOptions":
         """Options for a model on ``device``; see the module docstring for None / True / False.
         ``prepacked_cpu_linear`` and the ``gguf_*`` options need no resolving: layers whose weights or CPU
@@ -68,6 +78,7 @@ class KernelOptions:
             rotary=resolve_kernel_toggle("rotary", rotary, device),
             activation=resolve_kernel_toggle("activation", activation, device),
             gemv=resolve_kernel_toggle("gemv", gemv, device),
+            gemv_rows=resolve_kernel_toggle("gemv_rows", gemv_rows, device),
             w8a8=resolve_kernel_toggle("w8a8", w8a8, device),
             pdl=resolve_pdl(pdl, device),
             prepacked_cpu_linear=prepacked_cpu_linear,
@@ -75,6 +86,12 @@ class KernelOptions:
             gguf_activations=gguf_activations,
             gguf_decode_blocks=gguf_decode_blocks,
         )
+
+    def gemv_max_rows(self, weight_elements: int) -> int:
+        """The most rows a projection of ``weight_elements`` weights takes through the GEMV (0: none)."""
+        if not self.gemv:
+            return 0
+        return GEMV_MAX_ROWS if self.gemv_rows and weight_elements < GEMV_ROWS_MAX_WEIGHTS else 1
 
     @property
     def enabled(self) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from tokenmill.kernels._common import cdiv, next_power_of_2, require_unit_last_s
 from tokenmill.kernels.attention.checks import check_pools
 from tokenmill.kernels.attention.plan import MIN_DOT_ROWS, PrefillConfig, default_prefill_config
 from tokenmill.kernels.attention.tiles import LOG2E, attend_range, dot_precision
+from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 
 
 # Per-step values are not specialized on (Triton would compile a variant for 1 / multiples of 16 of each).
@@ -46,9 +47,11 @@ def _prefill_kernel(
     paged: tl.constexpr,
     has_window: tl.constexpr,
     precision: tl.constexpr,
+    pdl: tl.constexpr,
 ) -> None:
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
+    wait_for_previous_kernel(pdl)  # every input (the tile map too) may come from a kernel before this one
     seq = tl.load(tile_seq_ptr + program).to(tl.int64)
     if seq >= num_seqs:  # the grid is sized for the most tiles any batch of this shape can have
         return
@@ -195,11 +198,13 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     config: PrefillConfig | None = None,
     derived: dict[Any, Any] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Packed queries ``[T, Hq, D]`` of any lengths (prefill, chunked prefill, decode, mixed) against
     the cached K/V of their sequences, the new tokens' K/V included (write them first).
 
-    ``derived`` (e.g. ``AttentionMetadata.derived``) caches the tile map across layers.
+    ``derived`` (e.g. ``AttentionMetadata.derived``) caches the tile map across layers; ``pdl`` launches
+    the kernel programmatically dependent (``tokenmill.kernels.launch``).
     """
     check_pools(query, key_pool, value_pool)
     return _prefill(
@@ -214,6 +219,7 @@ def paged_prefill_attention(
         config,
         derived,
         block_size=key_pool.shape[1],
+        pdl=pdl,
     )
 
 
@@ -265,6 +271,7 @@ def _prefill(
     config: PrefillConfig | None,
     derived: dict[Any, Any] | None,
     block_size: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     group = num_heads // kv[0].shape[-2]
@@ -303,8 +310,10 @@ def _prefill(
         paged=block_size > 0,
         has_window=bool(sliding_window),
         precision=dot_precision(query.dtype),
+        pdl=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(pdl),
     )
     return out
 

@@ -4,6 +4,7 @@ Configured with ``KernelOptions.activation``, one ``tokenmill.kernels.activation
 projection once and writes the product, rounding ``act(gate)`` to the input dtype as the code below does.
 """
 
+import functools
 from collections.abc import Callable
 from typing import ClassVar, Literal
 
@@ -41,7 +42,8 @@ class GatedActivation(FusableLayer):
         if options.activation:
             from tokenmill.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 
-            self._forward = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}[self.kind]
+            kernel = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}[self.kind]
+            self._forward = functools.partial(kernel, pdl=options.pdl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x)

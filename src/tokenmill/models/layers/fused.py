@@ -62,7 +62,7 @@ class PreNormLinear(FusableLayer):
     def forward_gemv(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> Pair:
         """One launch for rows the GEMV takes (and a norm weight of their dtype), out of place."""
         norm, linear = self._layers
-        if not (gemv_fits(hidden, linear) and norm.weight.dtype == hidden.dtype):
+        if not (gemv_fits(hidden, linear, prologue=True) and norm.weight.dtype == hidden.dtype):
             return self.forward_unfused(hidden, residual)
         out, residual = self._rms_norm_gemv_kernel(
             hidden,
@@ -127,7 +127,7 @@ class GatedActivationLinear(FusableLayer):
     def forward_gemv(self, gate_up: torch.Tensor) -> torch.Tensor:
         """One launch for rows the GEMV takes: the activation is applied as the input is read."""
         act, linear = self._layers
-        if not gemv_fits(gate_up, linear):
+        if not gemv_fits(gate_up, linear, prologue=True):
             return self.forward_unfused(gate_up)
         out = self._gated_gemv_kernel(
             gate_up,

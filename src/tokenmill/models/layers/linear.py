@@ -5,9 +5,11 @@ input features (and sum the partial results). Fused layers (QKV, gate+up) take t
 tensors one shard at a time. With one rank these are plain linear layers; model code is the same either way.
 
 Each projection runs on the path bound when configured (:class:`LinearProjection`): with
-``KernelOptions.gemv``, inputs of at most ``GEMV_MAX_ROWS`` rows (small-batch decode) go through the
-Triton GEMV; with ``KernelOptions.prepacked_cpu_linear``, float32 CPU weights through oneDNN. A quantized
-layer (``quantization`` int8 / fp8) binds the path its method provides (:mod:`tokenmill.quantization`).
+``KernelOptions.gemv``, one-row inputs (batch-1 decode), and with ``gemv_rows`` up to ``GEMV_MAX_ROWS``
+(small batches, speculative verification) for weights below ``GEMV_ROWS_MAX_WEIGHTS`` elements, go through
+the Triton GEMV; with ``KernelOptions.prepacked_cpu_linear``, float32 CPU weights through oneDNN. A
+quantized layer (``quantization`` int8 / fp8) binds the path its method provides
+(:mod:`tokenmill.quantization`).
 
 Loaders say which rows (and, row-parallel, which columns) of a checkpoint tensor this rank keeps and where
 they go, as a :class:`RowShard`; the layer's quantization method stores them in its parameters' units
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import all_reduce_sum, divide, kv_head_shard, tp_rank, tp_world_size
-from tokenmill.kernels.options import GEMV_MAX_ROWS, KernelOptions
+from tokenmill.kernels.options import KernelOptions
 from tokenmill.models.layers.cpu_linear import packed_linear, shared_packed_weight, supports_prepacking
 from tokenmill.models.layers.fusable import FusableLayer
 from tokenmill.quantization import UNQUANTIZED, LinearMethod, RowShard, linear_method
@@ -30,10 +32,11 @@ from tokenmill.quantization import UNQUANTIZED, LinearMethod, RowShard, linear_m
 ShardId = str | int | None
 
 
-def gemv_fits(x: torch.Tensor, layer: "LinearProjection") -> bool:
-    """Whether the Triton GEMV takes ``x @ layer.weight.T``: at most ``GEMV_MAX_ROWS`` rows, and a weight
+def gemv_fits(x: torch.Tensor, layer: "LinearProjection", prologue: bool = False) -> bool:
+    """Whether the Triton GEMV takes ``x @ layer.weight.T``: at most ``layer.gemv_max_rows`` rows (one with
+    a fused ``prologue``: over more rows every program would recompute it for all of them), and a weight
     of x's dtype or an 8-bit one with a scale per row that the GEMV applies (per-channel int8 / fp8)."""
-    if x.dim() != 2 or x.shape[0] > GEMV_MAX_ROWS:
+    if x.dim() != 2 or x.shape[0] > (min(layer.gemv_max_rows, 1) if prologue else layer.gemv_max_rows):
         return False
     if layer.quant_method.quantized:
         return layer.quant_method.gemv_scale is not None
@@ -74,10 +77,12 @@ class LinearProjection(FusableLayer):
 
     weight: nn.Parameter
     quant_method: LinearMethod = UNQUANTIZED
+    gemv_max_rows = 0  # rows the Triton GEMV takes (KernelOptions.gemv_max_rows), set by configure
     gemv_out_dtype: ClassVar[torch.dtype | None] = None  # the GEMV's output dtype (None: the input's)
 
     def configure(self, options: KernelOptions) -> None:
         self.pdl = options.pdl  # launch the GEMV programmatically dependent (tokenmill.kernels.launch)
+        self.gemv_max_rows = options.gemv_max_rows(self.weight.numel())
         self.packed_weight: torch.Tensor | None = None  # oneDNN copy of weight (cpu_linear), when prepacked
         self._matmul: Callable[[torch.Tensor], torch.Tensor] = self._bind_matmul(options)
         self._project = self._matmul
