@@ -462,6 +462,8 @@ def check_slots(manager: BlockManager, model: ManagerModel, rng: random.Random) 
         capacity = len(model.tables[last]) * model.block_size
         with pytest.raises(IndexError, match="not within its"):
             slots_of(manager, [*ranges[:-1], (last, capacity, capacity + 1)])
+        with pytest.raises(IndexError, match="not within its"):  # one sequence alone
+            slots_of(manager, [(last, capacity, capacity + 1)])
     tables = manager.padded_tables([manager.table_view(seq_id) for seq_id in model.tables], np.int32)
     width = max((len(t) for t in model.tables.values()), default=0)
     assert tables.tolist() == [t + [0] * (width - len(t)) for t in model.tables.values()]

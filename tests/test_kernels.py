@@ -379,13 +379,17 @@ def random_batch(
     block_size: int = 16,
     max_len: int = 60,
     batch: int | None = None,
+    shapes: list[tuple[int, int]] | None = None,
 ) -> PagedBatch:
-    """``mode``: "decode" (one new token each) or "mixed" (whole prefills, chunks and decodes)."""
+    """``mode``: "decode" (one new token each) or "mixed" (whole prefills, chunks and decodes);
+    ``shapes``: each sequence's (length, new tokens) instead of random ones."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     num_seqs = batch or rng.randint(1, 4)
     seq_lens = [rng.randint(1, max_len) for _ in range(num_seqs)]
-    if mode == "decode":
+    if shapes is not None:
+        seq_lens, query_lens = [n for n, _ in shapes], [q for _, q in shapes]
+    elif mode == "decode":
         query_lens = [1] * num_seqs
     else:
         query_lens = [rng.choice([1, s, rng.randint(1, s)]) for s in seq_lens]
@@ -600,6 +604,63 @@ def test_chunked_prefill_over_a_long_context(device: str, dtype: torch.dtype, wi
     batch = random_batch(12, 8, 2, 64, mode="mixed", dtype=dtype, device=device, max_len=120, batch=2)
     backends = [TritonAttentionBackend(), TritonAttentionBackend(prefill_config=SMALL_PREFILL)]
     check_against_reference(batch, _layer(8, 2, 64, window), backends, dtype)
+
+
+def verification_batch(seed: int, dtype: torch.dtype, device: str, context: int) -> PagedBatch:
+    """A speculative verification step's shape (a few query tokens after a long context) beside a
+    decode and a whole short prompt."""
+    shapes = [(context + 9, 9), (context // 2, 1), (7, 7)]
+    return random_batch(seed, 8, 2, 64, mode="mixed", dtype=dtype, device=device, shapes=shapes)
+
+
+@pytest.mark.parametrize("split", [(4, 16, 0), (3, 16, 48), (8, 64, 0)])
+def test_split_prefill_matches_the_reference(
+    device: str, dtype: torch.dtype, split: tuple[int, int, int]
+) -> None:
+    """Each query tile's keys cut into ``num_splits`` partitions of at least ``min_partition`` keys
+    (contexts of at most ``max_unsplit`` keys whole): rows that see no key of a partition, partitions
+    past a tile's keys, tiles of one partition. Same output as the PyTorch backend; the merges leave
+    their counters at zero, launch after launch."""
+    from tokenmill.kernels.attention import DecodeSplit, paged_prefill_attention, partitions
+
+    layer = _layer(8, 2, 64, None)
+    for seed, context in ((0, 90), (1, 40)):
+        batch = verification_batch(seed, dtype, device, context)
+        metadata = batch.metadata()
+        expected = TorchAttentionBackend().forward(
+            layer, batch.query, batch.key, batch.value, metadata, batch.cache_copy()
+        )
+        exact = TorchAttentionBackend().forward(
+            layer, batch.query.double(), batch.key.double(), batch.value.double(), metadata,
+            batch.cache_copy(torch.float64),
+        )  # fmt: skip
+        cache = batch.cache_copy()
+        assert metadata.slot_mapping is not None and metadata.block_tables is not None
+        write_kv(batch.key, batch.value, cache.key, cache.value, metadata.slot_mapping)
+        tables, starts, lens = metadata.block_tables, metadata.query_start_loc, metadata.seq_lens
+        inputs = (batch.query, cache.key, cache.value, tables, starts, lens, layer.scale, None, SMALL_PREFILL)
+        outputs = [paged_prefill_attention(*inputs, split=DecodeSplit(*split)) for _ in range(2)]
+        assert torch.equal(outputs[0], outputs[1])
+        assert_attention_close(outputs[0], expected, exact, dtype)
+        assert not partitions._ARRIVALS[outputs[0].device].any()
+
+
+def test_short_prefills_split_by_the_plan(device: str, dtype: torch.dtype) -> None:
+    """Through the backend (``split_prefill_attention``): a launch of few query tokens over a context
+    bound above ``DECODE_MAX_UNSPLIT`` splits, one of more than ``PREFILL_SPLIT_MAX_TOKENS`` tokens or
+    with a window does not; the windowed layer and the unsplit launch still match the reference."""
+    from tokenmill.kernels.attention import DECODE_MAX_UNSPLIT, plan_prefill_split
+    from tokenmill.kernels.attention.plan import PREFILL_SPLIT_MAX_TOKENS
+
+    dev = torch.device(device)
+    assert plan_prefill_split(12, 8, DECODE_MAX_UNSPLIT + 100, dev, 16).num_splits > 1
+    assert plan_prefill_split(PREFILL_SPLIT_MAX_TOKENS + 1, 8, 4096, dev, 16).num_splits == 1
+    assert plan_prefill_split(12, 8, DECODE_MAX_UNSPLIT, dev, 16).num_splits == 1
+    assert plan_prefill_split(12, 8, None, dev, 16).num_splits == 1
+    batch = verification_batch(7, dtype, device, DECODE_MAX_UNSPLIT + 20)
+    backends = [TritonAttentionBackend(prefill_config=SMALL_PREFILL, split_prefill=True)]
+    for window in (None, 40):
+        check_against_reference(batch, _layer(8, 2, 64, window), backends, dtype)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 128), (8, 1, 256)])

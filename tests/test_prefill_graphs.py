@@ -17,6 +17,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
 from tokenmill.reference import greedy_generate
 from tokenmill.runner.prefill_graphs import PrefillGraphRunner, prefill_graph_sizes
+from tokenmill.runner.step_inputs import build_step_arrays, one_chunk_arrays
 from tokenmill.scheduler.output import ScheduledChunk
 
 SIZES = (8, 16, 32)
@@ -31,7 +32,8 @@ def tiny(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def _with_prefill_graphs(engine: LLMEngine) -> list[int]:
-    """Give the engine's runner prefill graphs (uncaptured on CPU); the chunk lengths they ran."""
+    """Give the engine's runner prefill graphs (uncaptured on CPU); the chunk lengths they ran. Each
+    chunk's inputs, built by the one-chunk builder, are checked against the general builder's."""
     runner = engine.runner
     assert runner.kv.layers is not None
     graphs = PrefillGraphRunner(
@@ -42,6 +44,11 @@ def _with_prefill_graphs(engine: LLMEngine) -> list[int]:
 
     def counted(chunk: ScheduledChunk) -> torch.Tensor:
         runs.append(chunk.num_tokens)
+        fast = one_chunk_arrays(chunk, graphs.kv, graphs.table_width)
+        general = build_step_arrays([chunk], graphs.kv, table_width=graphs.table_width)
+        assert fast.keys() == general.keys()
+        for name, array in general.items():
+            assert fast[name].dtype == array.dtype and fast[name].tolist() == array.tolist(), name
         return run(chunk)
 
     graphs.run = counted  # type: ignore[method-assign]

@@ -31,7 +31,7 @@ from tokenmill.benchmarks.speculative.timing import TimedRun, merged, one_at_a_t
 from tokenmill.config import EngineConfig
 from tokenmill.engine import llm_engine
 from tokenmill.loading import LoadedModel
-from tokenmill.runner import model_runner, prefill_graphs
+from tokenmill.runner import model_runner, prefill_graphs, step_inputs
 from tokenmill.runner.model_runner import PendingStep
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import scheduler
@@ -247,17 +247,29 @@ def main() -> None:
     parser.add_argument("--quantization", help="e.g. none: a GGUF model's weights as float (default: auto)")
     parser.add_argument("--gpu-split", action="store_true", help="CUDA-event split of verification steps")
     parser.add_argument("--no-old-policy", action="store_true", help="skip the on-no-overlap engines")
+    parser.add_argument("--tokenizer", help="a tokenizer folder or model (with --dummy weights)")
+    parser.add_argument("--off", action="append", default=[], help="an engine toggle to switch off")
+    parser.add_argument(
+        "--general-inputs", action="store_true", help="prefill graphs build inputs as eager steps do"
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     load_args = argparse.Namespace(
         threads=None, device=device, model=args.model, dtype="bfloat16" if device == "cuda" else "float32",
-        load_format="dummy" if args.dummy else "auto", seed=0, tokenizer=None,
+        load_format="dummy" if args.dummy else "auto", seed=0, tokenizer=args.tokenizer,
         quantization=args.quantization,
     )  # fmt: skip
     loaded = common.load_for_args(load_args)
     base = EngineConfig().with_options(model=args.model, device=device, max_model_len=2048, num_kv_blocks=512)
     if args.quantization is not None:
         base = base.with_options(quantization=args.quantization)
+    base = base.with_options(**dict.fromkeys(args.off, False))
+    if args.general_inputs:  # the builder before one_chunk_arrays
+
+        def general(chunk: Any, kv: Any, width: int) -> Any:
+            return step_inputs.build_step_arrays([chunk], kv, table_width=width)
+
+        prefill_graphs.one_chunk_arrays = general  # type: ignore[assignment]
     named = engines(base, loaded, [int(k) for k in args.ks.split(",")], not args.no_old_policy)
     if args.profile_dir is not None:
         args.profile_dir.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_gemv_rows",
     "fused_w8a8",
     "fused_decode_rotary_kv",
+    "split_prefill_attention",
     "fused_sampling",
 )
 
@@ -162,6 +163,10 @@ class KernelConfig:
     # Triton attention: decode steps rotate q and the new key and store the new K/V inside the decode
     # attention kernel (no rotary and KV-write launches per layer); prefill keeps the separate kernels.
     fused_decode_rotary_kv: bool | None = None
+    # Triton attention: prefill launches of at most 64 query tokens (speculative verification steps, short
+    # chunks) cut each query tile's keys into partitions over more programs, merged by the last to finish
+    # (decode's flash-decoding split), where a few programs would otherwise walk the whole context.
+    split_prefill_attention: bool | None = None
     fused_sampling: bool | None = None  # temperature, top-k/min-p and the draw in one pass (Gumbel-max)
     # Hopper and later: launch the Triton kernels programmatically dependent, so each one starts (and
     # loads its weights) while the one before it finishes, and waits only for that one's results.
@@ -178,6 +183,12 @@ class KernelConfig:
             "fused_decode_rotary_kv",
             f"off when attention_backend is {self.attention_backend!r} (part of the Triton decode kernel)",
             self.fused_decode_rotary_kv,
+        )
+        require(
+            not (self.split_prefill_attention and self.attention_backend in ("torch", "cpu")),
+            "split_prefill_attention",
+            f"off when attention_backend is {self.attention_backend!r} (part of the Triton prefill kernel)",
+            self.split_prefill_attention,
         )
 
 

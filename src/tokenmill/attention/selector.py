@@ -11,8 +11,8 @@ from tokenmill.kernels.options import resolve_kernel_toggle
 
 def create_attention_backend(kernels: KernelConfig, device: torch.device, pdl: bool) -> AttentionBackend:
     """The PyTorch reference backend, the CPU one (its decode steps in C), or the paged Triton kernels
-    (``pdl``: launched programmatically dependent; the fused decode step as ``fused_decode_rotary_kv``
-    resolves)."""
+    (``pdl``: launched programmatically dependent; the fused decode step and split short prefills as
+    ``fused_decode_rotary_kv`` and ``split_prefill_attention`` resolve)."""
     if kernels.attention_backend == "torch":
         return TorchAttentionBackend()
     if kernels.attention_backend == "cpu":
@@ -24,7 +24,8 @@ def create_attention_backend(kernels: KernelConfig, device: torch.device, pdl: b
     from tokenmill.attention.triton_backend import TritonAttentionBackend  # imports triton
 
     fused = resolve_kernel_toggle("decode_rotary_kv", kernels.fused_decode_rotary_kv, device)
-    return TritonAttentionBackend(pdl=pdl, fused_decode_rotary_kv=fused)
+    split = resolve_kernel_toggle("split_prefill_attention", kernels.split_prefill_attention, device)
+    return TritonAttentionBackend(pdl=pdl, fused_decode_rotary_kv=fused, split_prefill=split)
 
 
 def _cpu_backend(device: torch.device) -> AttentionBackend:

@@ -5,7 +5,9 @@ reads them in place through the block tables (no gather, no padding, no mask ten
   batch size and ``metadata.max_seq_len`` alone (read as a bound: a CUDA graph captured with
   ``max_seq_len = max_model_len`` replays correctly for every shorter context; see
   ``tokenmill.kernels.attention.plan_decode_split``);
-* prefill, chunked prefill and mixed batches use the variable-length causal kernel;
+* prefill, chunked prefill and mixed batches use the variable-length causal kernel; with
+  ``split_prefill`` a launch of few query tokens (a speculative verification step) splits each query
+  tile's keys over several programs, planned from ``metadata.max_seq_len`` as decode's split is;
 * without a KV cache, whole packed sequences attend to themselves.
 
 Same semantics as :class:`~tokenmill.attention.torch_backend.TorchAttentionBackend`; needs
@@ -37,16 +39,20 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_config: PrefillConfig | None = None,
         pdl: bool = False,
         fused_decode_rotary_kv: bool = False,
+        split_prefill: bool = False,
     ) -> None:
         """The first three override the kernels' tile choices (for tuning and tests; None picks defaults);
         ``pdl`` launches the KV write and decode kernels programmatically dependent
         (``tokenmill.kernels.launch``); ``fused_decode_rotary_kv`` lets the decode kernel rotate q and the
-        new key and store the new K/V itself (no rotary and KV-write launches on decode steps)."""
+        new key and store the new K/V itself (no rotary and KV-write launches on decode steps);
+        ``split_prefill``: paged prefill launches of few query tokens split their keys
+        (``split_prefill_attention``)."""
         self.decode_partition_size = decode_partition_size
         self.decode_config = decode_config
         self.prefill_config = prefill_config
         self.pdl = pdl
         self.fused_decode_rotary_kv = fused_decode_rotary_kv
+        self.split_prefill = split_prefill
         self._decode = self._decode_fused if fused_decode_rotary_kv else self._decode_separate
 
     def forward(
@@ -90,6 +96,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.prefill_config,
             metadata.derived,
             pdl=self.pdl,
+            max_seq_len=metadata.max_seq_len if self.split_prefill else None,
         )
 
     def _decode_fused(

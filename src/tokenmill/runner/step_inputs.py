@@ -138,6 +138,23 @@ def build_step_arrays(
     return arrays
 
 
+def one_chunk_arrays(chunk: ScheduledChunk, kv: KVCacheManager, table_width: int) -> dict[str, np.ndarray]:
+    """:func:`build_step_arrays` of a step that is one chunk over a paged pool, with block tables
+    ``table_width`` wide: the same arrays from a handful of numpy calls instead of some forty, for the
+    one-sequence prefill graphs (a batch-1 verification step builds these while the GPU waits)."""
+    start, end = chunk.start, chunk.end
+    paging = kv.paging_arrays([chunk.seq], np.array([start]), np.array([end]), table_width)
+    return {
+        "positions": np.arange(start, end, dtype=np.int64),
+        "seq_lens": np.array([end], np.int32),
+        "query_start_loc": np.array([0, end - start], np.int32),
+        "sample_rows": np.arange(end - start - chunk.num_sampled_rows, end - start, dtype=np.int64),
+        "input_ids": np.array(chunk.seq.token_ids[start:end], np.int64),
+        "slot_mapping": paging["slot_mapping"],
+        "block_tables": paging["block_tables"],
+    }
+
+
 def _sample_rows(chunks: Sequence[ScheduledChunk], chunk_ends: np.ndarray) -> np.ndarray:
     """The rows whose logits the step needs: the last row of each chunk that samples, and with draft
     tokens the rows before it that verify them (``num_sampled_rows`` each, in order)."""

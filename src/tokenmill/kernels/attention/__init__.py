@@ -21,7 +21,9 @@ once for the whole group, and keep a running (max, sum) softmax in base 2 (the s
   ``rotation`` applies the rotary embedding to q and the new key on the way (no rotary launch;
   ``new_token``).
 * Prefill / mixed batches (``prefill``): each program takes a tile of consecutive query tokens of one
-  sequence (times the group's heads as rows); key tiles that every row sees skip the mask.
+  sequence (times the group's heads as rows); key tiles that every row sees skip the mask. A launch of
+  few query tokens (a speculative verification step) splits each tile's keys into partitions as decode
+  does (:func:`plan_prefill_split`), where its few tiles would leave most of the GPU idle.
 
 Both walk their keys with the tile loop of ``tiles``; ``checks`` holds the layout checks of the launchers.
 """
@@ -37,13 +39,10 @@ from tokenmill.kernels.attention.plan import (
     default_decode_config,
     default_prefill_config,
     plan_decode_split,
+    plan_prefill_split,
 )
-from tokenmill.kernels.attention.prefill import (
-    PrefillTiles,
-    paged_prefill_attention,
-    prefill_tiles,
-    varlen_attention,
-)
+from tokenmill.kernels.attention.prefill import paged_prefill_attention, varlen_attention
+from tokenmill.kernels.attention.query_tiles import PrefillTiles, prefill_tiles
 
 __all__ = [
     "DECODE_MAX_UNSPLIT",
@@ -59,6 +58,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "plan_decode_split",
+    "plan_prefill_split",
     "prefill_tiles",
     "varlen_attention",
 ]

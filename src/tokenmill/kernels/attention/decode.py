@@ -17,6 +17,7 @@ from tokenmill.kernels.attention.new_token import (
     new_token_kv,
 )
 from tokenmill.kernels.attention.partitions import (
+    MERGE_CHUNK,
     context_range,
     decode_partials,
     merge_partitions,
@@ -203,7 +204,9 @@ def _decode_kernel(
         counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
             tl.atomic_xchg(counter, 0)
-            out = merge_partitions(part_out_ptr, part_max_ptr, part_sum_ptr, parts, row_ok, used, dims)
+            out = merge_partitions(
+                part_out_ptr, part_max_ptr, part_sum_ptr, parts, row_ok, used, dims, MERGE_CHUNK
+            )
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:  # one partition holds the whole context
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -266,7 +269,9 @@ def paged_decode_attention(
         return out
     if fp8_codes and key_pool.dtype == FP8_KV_DTYPE and query.dtype.itemsize == 2:
         key_pool, value_pool = key_pool.view(torch.int8), value_pool.view(torch.int8)
-    partials = decode_partials(num_seqs, num_kv_heads, num_heads, split.num_splits, head_dim, query.device)
+    partials = decode_partials(
+        num_seqs, num_seqs * num_kv_heads, num_heads, split.num_splits, head_dim, query.device
+    )
     new_key, new_value, slot_mapping = new_tokens if new_tokens is not None else (query, query, seq_lens)
     positions, cos_sin = rotation if rotation is not None else (seq_lens, query)
     _decode_kernel[(num_seqs, num_kv_heads, split.num_splits)](

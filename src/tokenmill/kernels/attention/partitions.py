@@ -1,11 +1,12 @@
-"""Flash-decoding partitions: the keys each decode program takes, and the split merge (the partials'
-buffers, the arrival counters that pick the merging program, and the merge itself)."""
+"""Flash-decoding partitions: the keys each decode program (or split prefill program) takes, and the
+split merge (the partials' buffers, the arrival counters that pick the merging program, and the merge
+itself)."""
 
 import torch
 import triton
 import triton.language as tl
 
-MERGE_CHUNK = tl.constexpr(8)  # partitions a split merge reads per round of loads
+MERGE_CHUNK = tl.constexpr(8)  # partitions a decode program's merge reads per round (a group's few rows)
 
 
 @triton.jit
@@ -34,14 +35,17 @@ def merge_partitions(
     row_ok: tl.tensor,
     used: tl.tensor,
     dims: tl.tensor,
+    merge_chunk: tl.constexpr,
 ) -> tl.tensor:
-    """Partition ``j``'s output was normalized by its own sum: reweight by ``sum_j * 2^(max_j - max)``.
-    Partitions are read ``MERGE_CHUNK`` at a time, so a short merge is one round of loads."""
+    """Partition ``j``'s output was normalized by its own sum: reweight by ``sum_j * 2^(max_j - max)``
+    (a partition that saw no key of a row has sum 0 and output 0 there: weight 0). Partitions are read
+    ``merge_chunk`` at a time, so a short merge is one round of loads; rows x chunk x head_dim floats
+    must fit the program's registers."""
     row_max = tl.full(parts.shape, float("-inf"), tl.float32)
     row_sum = tl.zeros(parts.shape, tl.float32)
     acc = tl.zeros([parts.shape[0], dims.shape[0]], tl.float32)
-    for first in range(0, used, MERGE_CHUNK):
-        chunk = first + tl.arange(0, MERGE_CHUNK)
+    for first in range(0, used, merge_chunk):
+        chunk = first + tl.arange(0, merge_chunk)
         index = parts[:, None] + chunk[None, :]  # [rows, chunk]
         valid = row_ok[:, None] & (chunk < used)[None, :]
         # .cg: read from L2, where the other programs' stores are, not a stale L1 line.
@@ -64,15 +68,16 @@ def merge_partitions(
 
 
 def decode_partials(
-    num_seqs: int, num_kv_heads: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+    num_rows: int, num_merges: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-partition outputs (normalized), maxima and sums, and the arrival counters of the partitions
-    of each (sequence, KV head); tiny placeholders when there is one split."""
-    shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1,)
+    """Per-partition outputs (normalized), maxima and sums of ``num_rows`` query tokens, and the arrival
+    counters of ``num_merges`` merging groups (decode: a sequence's KV head; split prefill: a query
+    tile's); tiny placeholders when there is one split."""
+    shape = (num_rows, num_heads, num_splits) if num_splits > 1 else (1,)
     part_out = torch.empty(*shape, head_dim if num_splits > 1 else 1, dtype=torch.float32, device=device)
     part_max = torch.empty(shape, dtype=torch.float32, device=device)
     part_sum = torch.empty(shape, dtype=torch.float32, device=device)
-    arrivals = arrival_counters(device, num_seqs * num_kv_heads if num_splits > 1 else 1)
+    arrivals = arrival_counters(device, num_merges if num_splits > 1 else 1)
     return part_out, part_max, part_sum, arrivals
 
 

@@ -17,6 +17,15 @@ DECODE_MIN_PARTITION = 128  # ...into partitions of the bound no shorter than th
 DECODE_MAX_SPLITS = 64  # ...and no more than this many.
 # A context of up to this many keys stays one partition, with no merge of partials.
 DECODE_MAX_UNSPLIT = 256
+# Prefill launches of at most this many query tokens may split their keys the same way (speculative
+# verification steps, short chunks over a long context): their few query tiles would otherwise leave a
+# handful of programs walking the whole context. Longer launches have programs enough.
+PREFILL_SPLIT_MAX_TOKENS = 64
+# ...into at most this many partitions: a tile's merge reads a few partitions of all its rows per round,
+# so more partitions cost more rounds. Measured on the H200 (SmolLM2-135M's 16-token prefill graph after
+# 512-4,000 keys, reports/gpu/speculative-ngram-smollm2/split-prefill/): at most 16 gave 886-1,087 µs a
+# replay where 64 gave 888-1,195 and the unsplit kernel 1,069-3,421.
+PREFILL_MAX_SPLITS = 16
 # Bytes of keys (and as many of values) in a decode program's first tile, loaded before it waits, per
 # warp, up to a partition: with 8 warps (small batches), a whole unsplit context of head_dim 64.
 PREFETCH_BYTES_PER_WARP = 4096
@@ -37,7 +46,8 @@ class DecodeConfig(NamedTuple):
 
 
 class DecodeSplit(NamedTuple):
-    """How decode attention cuts each sequence's context: into ``num_splits`` partitions of
+    """How decode attention cuts each sequence's context (and split prefill attention each query tile's
+    visible keys): into ``num_splits`` partitions of
     ``max(ceil(context / num_splits), min_partition)`` keys (rounded up to whole key tiles), the last
     ones empty when the context is short; a context of at most ``max_unsplit`` keys is one partition.
     All are launch parameters: for a CUDA graph they must come from values fixed at capture (see
@@ -107,6 +117,24 @@ def plan_decode_split(
     splits = max(1, min(fitting, cdiv(max_context, DECODE_MIN_PARTITION), DECODE_MAX_SPLITS))
     if max_context <= DECODE_MAX_UNSPLIT:
         splits = 1
+    return DecodeSplit(splits, cdiv(DECODE_MIN_PARTITION, block_n) * block_n, DECODE_MAX_UNSPLIT)
+
+
+def plan_prefill_split(
+    num_tokens: int, num_programs: int, max_context: int | None, device: torch.device, block_n: int
+) -> DecodeSplit:
+    """The split of a prefill launch of ``num_tokens`` query tokens over ``num_programs`` (query tile, KV
+    head) programs, from launch-time constants as :func:`plan_decode_split`'s: ``max_context`` bounds
+    every sequence's length (None: unknown, and a windowed layer passes None too: no split). One split
+    (the unsplit kernel) above ``PREFILL_SPLIT_MAX_TOKENS`` tokens or for a bound of at most
+    ``DECODE_MAX_UNSPLIT`` keys."""
+    unsplit = DecodeSplit(1, block_n)
+    if max_context is None or num_tokens > PREFILL_SPLIT_MAX_TOKENS or max_context <= DECODE_MAX_UNSPLIT:
+        return unsplit
+    fitting = DECODE_PROGRAMS_PER_SM * sm_count(device) // max(1, num_programs)
+    splits = min(fitting, cdiv(max_context, DECODE_MIN_PARTITION), PREFILL_MAX_SPLITS)
+    if splits <= 1:
+        return unsplit
     return DecodeSplit(splits, cdiv(DECODE_MIN_PARTITION, block_n) * block_n, DECODE_MAX_UNSPLIT)
 
 

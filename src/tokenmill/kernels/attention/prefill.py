@@ -1,22 +1,49 @@
 """Prefill and mixed batches: packed queries of any lengths, each program a tile of consecutive query
 tokens of one sequence (times the group's heads as rows); key tiles that every row sees skip the mask.
-``varlen_attention`` runs the same kernel over packed whole sequences with no cache."""
+``varlen_attention`` runs the same kernel over packed whole sequences with no cache.
 
-from typing import Any, NamedTuple
+A launch of few query tokens over a long context (a speculative verification step: 1 + k tokens of one
+sequence) has only a few query tiles, so a few programs would walk the whole context. With ``split``
+each tile's visible keys are cut into partitions as decode attention cuts a context (one program per
+partition, ``plan_prefill_split``), and the last program of a tile to finish merges the partials."""
+
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels._common import cdiv, next_power_of_2, require_unit_last_stride
+from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
 from tokenmill.kernels.attention.checks import check_pools
-from tokenmill.kernels.attention.plan import MIN_DOT_ROWS, PrefillConfig, default_prefill_config
+from tokenmill.kernels.attention.partitions import decode_partials, merge_partitions, partition_length
+from tokenmill.kernels.attention.plan import (
+    MIN_DOT_ROWS,
+    DecodeSplit,
+    PrefillConfig,
+    default_prefill_config,
+    plan_prefill_split,
+)
+from tokenmill.kernels.attention.query_tiles import cached_tiles
 from tokenmill.kernels.attention.tiles import LOG2E, attend_range, dot_precision
 from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
 
+# A split tile's merge reads merge_chunk partitions of its block_m rows per round: block_m x chunk x
+# head_dim floats, at most this many (two partitions of 128 rows of head_dim 64 a round was faster than one
+# on the H200: the 16-token SmolLM2 prefill graph after 4,000 keys 1,087 µs against 1,317).
+MERGE_ELEMENTS = 16384
+
 
 # Per-step values are not specialized on (Triton would compile a variant for 1 / multiples of 16 of each).
-@triton.jit(do_not_specialize=["window", "num_seqs", "block_table_stride"])
+@triton.jit(
+    do_not_specialize=[
+        "window",
+        "num_seqs",
+        "block_table_stride",
+        "num_splits",
+        "min_partition",
+        "max_unsplit",
+    ]
+)
 def _prefill_kernel(
     query_ptr: tl.tensor,
     key_ptr: tl.tensor,
@@ -27,9 +54,17 @@ def _prefill_kernel(
     seq_lens_ptr: tl.tensor,
     tile_seq_ptr: tl.tensor,
     tile_index_ptr: tl.tensor,
+    part_out_ptr: tl.tensor,
+    part_max_ptr: tl.tensor,
+    part_sum_ptr: tl.tensor,
+    arrivals_ptr: tl.tensor,
     scale_log2: float,
     window: int,
     num_seqs: int,
+    num_query_heads: int,
+    num_splits: int,
+    min_partition: int,
+    max_unsplit: int,
     query_token_stride: int,
     query_head_stride: int,
     out_token_stride: int,
@@ -46,6 +81,8 @@ def _prefill_kernel(
     block_size: tl.constexpr,
     paged: tl.constexpr,
     has_window: tl.constexpr,
+    split: tl.constexpr,  # the visible keys are cut into num_splits partitions (never with a window)
+    merge_chunk: tl.constexpr,
     precision: tl.constexpr,
     pdl: tl.constexpr,
 ) -> None:
@@ -81,6 +118,13 @@ def _prefill_kernel(
     full_lo = tl.maximum(last_pos - window + 1, 0) if has_window else 0
     hi = last_pos + 1
     full_hi = full_lo + tl.maximum(first_pos + 1 - full_lo, 0) // block_n * block_n
+    # This program's partition [part_lo, part_hi) of [lo, hi): all of it unless split. Split partitions
+    # are whole key tiles from lo = 0 (no window), so their share of [full_lo, full_hi) stays whole tiles.
+    partition_len = partition_length(hi - lo, num_splits, min_partition, max_unsplit, block_n)
+    part_lo = lo + tl.program_id(2) * partition_len
+    if part_lo >= hi:  # past this tile's keys: the merge does not read this partition
+        return
+    part_hi = tl.minimum(part_lo + partition_len, hi)
 
     row_max = tl.full([block_m], float("-inf"), tl.float32)
     row_sum = tl.zeros([block_m], tl.float32)
@@ -99,8 +143,8 @@ def _prefill_kernel(
         value_base,
         table_ptr,
         kv_base_row,
-        lo,
-        full_lo,
+        tl.maximum(lo, part_lo),
+        tl.minimum(full_lo, part_hi),
         scale_log2,
         window,
         kv_block_stride,
@@ -123,8 +167,8 @@ def _prefill_kernel(
         value_base,
         table_ptr,
         kv_base_row,
-        full_lo,
-        full_hi,
+        tl.maximum(full_lo, part_lo),
+        tl.minimum(full_hi, part_hi),
         scale_log2,
         window,
         kv_block_stride,
@@ -147,8 +191,8 @@ def _prefill_kernel(
         value_base,
         table_ptr,
         kv_base_row,
-        full_hi,
-        hi,
+        tl.maximum(full_hi, part_lo),
+        part_hi,
         scale_log2,
         window,
         kv_block_stride,
@@ -161,30 +205,30 @@ def _prefill_kernel(
         True,
         precision,
     )
-    out = acc / row_sum[:, None]
-    out_ptrs = out_ptr + q_rows[:, None] * out_token_stride + heads[:, None] * out_head_stride
-    tl.store(out_ptrs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-class PrefillTiles(NamedTuple):
-    """Which (sequence, query tile) each program of the prefill grid takes; surplus programs get
-    sequence ``num_seqs`` and exit."""
-
-    tile_seq: torch.Tensor  # int32 [num_programs]
-    tile_index: torch.Tensor  # int32 [num_programs]
-
-
-def prefill_tiles(query_start_loc: torch.Tensor, num_tokens: int, tokens_per_tile: int) -> PrefillTiles:
-    """The tile map, built on the device without a sync: the grid is the bound
-    ``ceil(T / tokens_per_tile) + B`` on the tile count, whatever the query lengths are."""
-    num_seqs = query_start_loc.shape[0] - 1
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    tiles = (query_lens + tokens_per_tile - 1) // tokens_per_tile
-    tile_ends = torch.cumsum(tiles, 0)
-    programs = torch.arange(cdiv(num_tokens, tokens_per_tile) + num_seqs, device=query_start_loc.device)
-    tile_seq = torch.searchsorted(tile_ends, programs, right=True)
-    first_tile = (tile_ends - tiles)[tile_seq.clamp(max=max(num_seqs - 1, 0))]
-    return PrefillTiles(tile_seq.int(), (programs - first_tile).int())
+    out_ptrs = out_ptr + q_rows[:, None] * out_token_stride + heads[:, None] * out_head_stride + dims[None, :]
+    used = tl.cdiv(hi - lo, partition_len)
+    if split and used > 1:
+        # A row may see no key of this partition (its position is before it): sum 0, output 0.
+        out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+        parts = (q_rows * num_query_heads + heads) * num_splits
+        partition = tl.program_id(2)
+        tl.store(
+            part_out_ptr + (parts + partition)[:, None] * head_dim + dims[None, :], out, mask=row_ok[:, None]
+        )
+        tl.store(part_max_ptr + parts + partition, row_max, mask=row_ok)
+        tl.store(part_sum_ptr + parts + partition, row_sum, mask=row_ok)
+        # As in decode attention: the last partition to arrive merges them all and resets the counter.
+        tl.debug_barrier()
+        counter = arrivals_ptr + program * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
+            tl.atomic_xchg(counter, 0)
+            out = merge_partitions(
+                part_out_ptr, part_max_ptr, part_sum_ptr, parts, row_ok, used, dims, merge_chunk
+            )
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:  # one partition holds every visible key
+        out = acc / row_sum[:, None]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def paged_prefill_attention(
@@ -199,12 +243,17 @@ def paged_prefill_attention(
     config: PrefillConfig | None = None,
     derived: dict[Any, Any] | None = None,
     pdl: bool = False,
+    max_seq_len: int | None = None,
+    split: DecodeSplit | None = None,
 ) -> torch.Tensor:
     """Packed queries ``[T, Hq, D]`` of any lengths (prefill, chunked prefill, decode, mixed) against
     the cached K/V of their sequences, the new tokens' K/V included (write them first).
 
     ``derived`` (e.g. ``AttentionMetadata.derived``) caches the tile map across layers; ``pdl`` launches
-    the kernel programmatically dependent (``tokenmill.kernels.launch``).
+    the kernel programmatically dependent (``tokenmill.kernels.launch``). ``max_seq_len`` bounds
+    ``seq_lens`` (as for decode attention, a CUDA graph passes the longest context it will see): given,
+    a launch of few query tokens splits its keys over more programs (:func:`plan_prefill_split`; never
+    with a window); ``split`` fixes that split instead (tests).
     """
     check_pools(query, key_pool, value_pool)
     return _prefill(
@@ -220,6 +269,8 @@ def paged_prefill_attention(
         derived,
         block_size=key_pool.shape[1],
         pdl=pdl,
+        max_context=None if sliding_window else max_seq_len,
+        split=None if sliding_window else split,
     )
 
 
@@ -272,17 +323,28 @@ def _prefill(
     derived: dict[Any, Any] | None,
     block_size: int,
     pdl: bool = False,
+    max_context: int | None = None,
+    split: DecodeSplit | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
-    group = num_heads // kv[0].shape[-2]
+    num_kv_heads = kv[0].shape[-2]
+    group = num_heads // num_kv_heads
     config = config or default_prefill_config(head_dim, query.dtype)
     block_m = max(config.block_m, next_power_of_2(group), MIN_DOT_ROWS)
     tokens_per_tile = block_m // group
-    tiles = _cached_tiles(query_start_loc, num_tokens, tokens_per_tile, derived)
+    tiles = cached_tiles(query_start_loc, num_tokens, tokens_per_tile, derived)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
-    _prefill_kernel[(tiles.tile_seq.shape[0], kv[0].shape[-2])](
+    num_programs = tiles.tile_seq.shape[0]
+    if split is None:
+        split = plan_prefill_split(
+            num_tokens, num_programs * num_kv_heads, max_context, query.device, config.block_n
+        )
+    partials = decode_partials(
+        num_tokens, num_programs * num_kv_heads, num_heads, split.num_splits, head_dim, query.device
+    )
+    _prefill_kernel[(num_programs, num_kv_heads, split.num_splits)](
         query,
         kv[0],
         kv[1],
@@ -292,9 +354,14 @@ def _prefill(
         seq_lens,
         tiles.tile_seq,
         tiles.tile_index,
+        *partials,
         scale * LOG2E,
         sliding_window or 0,
         seq_lens.shape[0],
+        num_heads,
+        split.num_splits,
+        split.min_partition,
+        split.max_unsplit,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -309,6 +376,8 @@ def _prefill(
         block_size=max(block_size, 1),
         paged=block_size > 0,
         has_window=bool(sliding_window),
+        split=split.num_splits > 1,
+        merge_chunk=max(1, MERGE_ELEMENTS // (block_m * head_dim)),
         precision=dot_precision(query.dtype),
         pdl=pdl,
         num_warps=config.num_warps,
@@ -316,15 +385,3 @@ def _prefill(
         **launch_options(pdl),
     )
     return out
-
-
-def _cached_tiles(
-    query_start_loc: torch.Tensor, num_tokens: int, tokens_per_tile: int, derived: dict[Any, Any] | None
-) -> PrefillTiles:
-    if derived is None:
-        return prefill_tiles(query_start_loc, num_tokens, tokens_per_tile)
-    key = (PrefillTiles, num_tokens, tokens_per_tile)
-    if key not in derived:
-        derived[key] = prefill_tiles(query_start_loc, num_tokens, tokens_per_tile)
-    tiles: PrefillTiles = derived[key]
-    return tiles
