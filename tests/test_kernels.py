@@ -187,6 +187,39 @@ def test_rotary_on_fused_qkv_views(
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], value_before)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 64), (8, 1, 128)])
+def test_rotate_and_write_kv_equals_rotating_then_writing(
+    device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """The one-launch rotary and K/V write leaves q, k and both pools exactly as ``apply_rotary_`` then
+    ``write_kv`` do, views of a fused QKV output and padding slots (-1) included."""
+    from tokenmill.kernels.rotary import rotate_and_write_kv
+
+    torch.manual_seed(4)
+    num_tokens, block_size = 9, 4
+    rope = RotaryEmbedding(head_dim, 512, RopeConfig(theta=10000.0)).to(device)
+    positions = torch.randint(0, 512, (num_tokens,), device=device)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+    slots = torch.randperm(6 * block_size, device=device)[:num_tokens]
+    slots[[2, 7]] = -1
+    pool_shape = (6, block_size, kv_heads, head_dim)
+    pools = [torch.randn(pool_shape, dtype=dtype, device=device) for _ in range(2)]
+
+    def split(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        query = fused[:, : heads * head_dim].view(num_tokens, heads, head_dim)
+        key = fused[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_tokens, kv_heads, head_dim)
+        return query, key, fused[:, (heads + kv_heads) * head_dim :].view(num_tokens, kv_heads, head_dim)
+
+    expected_qkv, expected_pools = qkv.clone(), [pool.clone() for pool in pools]
+    query, key, value = split(expected_qkv)
+    apply_rotary_(positions, query, key, rope.cos_sin_cache)
+    write_kv(key, value, *expected_pools, slots)
+    query, key, value = split(qkv)
+    rotate_and_write_kv(positions, query, key, value, rope.cos_sin_cache, (pools[0], pools[1]), slots)
+    assert torch.equal(qkv, expected_qkv)
+    assert torch.equal(pools[0], expected_pools[0]) and torch.equal(pools[1], expected_pools[1])
+
+
 @pytest.mark.parametrize("shape", [(1, 32), (5, 2000), (3, 2, 3000)])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # interpreter's sigmoid
@@ -451,9 +484,8 @@ def check_against_reference(
         )
     for backend in backends:
         cache = batch.cache_copy()
-        out = backend.forward(
-            layer, batch.query, batch.key, batch.value, batch.metadata(), cache, pending(rotary)
-        )
+        query, key = batch.query.clone(), batch.key.clone()  # a backend may rotate them in place
+        out = backend.forward(layer, query, key, batch.value, batch.metadata(), cache, pending(rotary))
         assert torch.equal(cache.value, expected_cache.value)
         if rotary is None:
             assert torch.equal(cache.key, expected_cache.key)
@@ -643,6 +675,22 @@ def test_split_prefill_matches_the_reference(
         assert torch.equal(outputs[0], outputs[1])
         assert_attention_close(outputs[0], expected, exact, dtype)
         assert not partitions._ARRIVALS[outputs[0].device].any()
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_prefill_rotary_and_kv_write_in_one_launch(
+    device: str, dtype: torch.dtype, window: int | None
+) -> None:
+    """``fused_prefill_rotary_kv``: mixed batches handed unrotated q and k give the PyTorch backend's
+    output and cache, with and without split attention."""
+    batch = random_batch(21, 8, 2, 64, mode="mixed", dtype=dtype, device=device, max_len=70, batch=3)
+    rotary = RotaryEmbedding(64, 1024, RopeConfig(theta=10000.0)).to(device)
+    fused = {"fused_prefill_rotary_kv": True}
+    backends = [
+        TritonAttentionBackend(**fused),
+        TritonAttentionBackend(prefill_config=SMALL_PREFILL, split_prefill=True, **fused),
+    ]
+    check_against_reference(batch, _layer(8, 2, 64, window), backends, dtype, rotary)
 
 
 def test_short_prefills_split_by_the_plan(device: str, dtype: torch.dtype) -> None:
@@ -870,11 +918,14 @@ def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_fo
     engine = engine_for(
         loaded, device=device, attention_backend="triton", block_size=4, num_kv_blocks=64, max_model_len=64,
         fused_rms_norm=True, fused_rotary=True, fused_activation=True, fused_gemv=True, fused_gemv_rows=True,
-        fused_decode_rotary_kv=True, fused_sampling=True,
+        fused_decode_rotary_kv=True, fused_prefill_rotary_kv=True, split_prefill_attention=True,
+        fused_sampling=True, fused_w8a8=False,  # (w8a8: quantized weights only; auto-on on a GPU)
     )  # fmt: skip
     assert engine.runner.model.kernel_options.enabled == (*KERNEL_TOGGLES, "gemv_rows")
     assert not loaded.model.kernel_options.enabled, "the engine configures a copy, not the loaded model"
-    assert engine.runner.sampler.fused and engine.runner.backend.fused_decode_rotary_kv
+    backend = engine.runner.backend
+    assert engine.runner.sampler.fused and backend.fused_decode_rotary_kv
+    assert backend.fused_prefill_rotary_kv and backend.split_prefill
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=3, ignore_eos=True)
     outputs = run_to_completion(engine, {"a": ([4, 8, 15, 16], greedy), "b": ([23, 42], seeded)})

@@ -120,14 +120,17 @@ def make_engine(model: str, k: int, max_model_len: int = 2048, **options: object
     return LLMEngine(config, loaded=loaded)
 
 
-def context_replays(model: str, k: int, contexts: list[int], variants: list[tuple[int, int]]) -> None:
+def context_replays(
+    model: str, k: int, contexts: list[int], variants: list[tuple[int, int]], off: list[str]
+) -> None:
     """Prefill graphs replayed over a chunk after each context, split_prefill_attention on and off."""
     longest = max(contexts) + 128
     for variant in [*variants, None]:
         split = variant is not None
         if variant is not None:  # (most partitions, rows x partitions a merge reads at once)
             plan.PREFILL_MAX_SPLITS, prefill.MERGE_ELEMENTS = variant[0], variant[1] * 64
-        runner = make_engine(model, k, longest, split_prefill_attention=split).runner
+        options = {**dict.fromkeys(off, False), "split_prefill_attention": split}
+        runner = make_engine(model, k, longest, **options).runner
         graphs = runner.prefill_graphs
         assert graphs is not None
         cells = []
@@ -147,6 +150,7 @@ def context_replays(model: str, k: int, contexts: list[int], variants: list[tupl
                 graphs._write(arrays, size)
                 cells.append(f"{size} tokens after {context}: {back_to_back(graphs.graphs[size]):.1f}")
         label = f"splits <= {variant[0]}, merge rows {variant[1]}" if variant else "unsplit"
+        label += "".join(f", {name} off" for name in off)
         print(f"{model} {label}: " + ", ".join(cells) + " (µs)", flush=True)
 
 
@@ -171,12 +175,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=24)
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--contexts", help="comma-separated context lengths: replay over them instead")
+    parser.add_argument("--off", action="append", default=[], help="an engine toggle to switch off")
     parser.add_argument("--variants", default="16:256", help="MAX_SPLITS:MERGE_ROWS (x head_dim 64),...")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     if args.contexts:
         variants = [(int(a), int(b)) for a, b in (v.split(":") for v in args.variants.split(","))]
-        context_replays(args.model, args.k, [int(c) for c in args.contexts.split(",")], variants)
+        context_replays(args.model, args.k, [int(c) for c in args.contexts.split(",")], variants, args.off)
         return
     cycles = sleep_cycles_for(300)
     for label, graph in engine_graphs(args.model, args.k):

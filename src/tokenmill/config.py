@@ -29,6 +29,7 @@ FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_gemv_rows",
     "fused_w8a8",
     "fused_decode_rotary_kv",
+    "fused_prefill_rotary_kv",
     "split_prefill_attention",
     "fused_sampling",
 )
@@ -163,6 +164,9 @@ class KernelConfig:
     # Triton attention: decode steps rotate q and the new key and store the new K/V inside the decode
     # attention kernel (no rotary and KV-write launches per layer); prefill keeps the separate kernels.
     fused_decode_rotary_kv: bool | None = None
+    # Triton attention: prefill steps (and speculative verification) rotate q and k and store the new K/V in
+    # one launch per layer instead of a rotary and a KV-write launch.
+    fused_prefill_rotary_kv: bool | None = None
     # Triton attention: prefill launches of at most 64 query tokens (speculative verification steps, short
     # chunks) cut each query tile's keys into partitions over more programs, merged by the last to finish
     # (decode's flash-decoding split), where a few programs would otherwise walk the whole context.
@@ -184,12 +188,13 @@ class KernelConfig:
             f"off when attention_backend is {self.attention_backend!r} (part of the Triton decode kernel)",
             self.fused_decode_rotary_kv,
         )
-        require(
-            not (self.split_prefill_attention and self.attention_backend in ("torch", "cpu")),
-            "split_prefill_attention",
-            f"off when attention_backend is {self.attention_backend!r} (part of the Triton prefill kernel)",
-            self.split_prefill_attention,
-        )
+        for name in ("fused_prefill_rotary_kv", "split_prefill_attention"):
+            require(
+                not (getattr(self, name) and self.attention_backend in ("torch", "cpu")),
+                name,
+                f"off when attention_backend is {self.attention_backend!r} (part of the Triton attention)",
+                getattr(self, name),
+            )
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,8 @@ OPTION_HELP: dict[str, str] = {
     "scales) on the 8-bit tensor cores; unset: on with CUDA + Triton",
     "fused_decode_rotary_kv": "Triton attention: decode steps rotate q and k and store the new K/V inside "
     "the decode kernel; unset: on with CUDA + Triton",
+    "fused_prefill_rotary_kv": "Triton attention: prefill and verification steps rotate q and k and store "
+    "the new K/V in one kernel; unset: on with CUDA + Triton",
     "split_prefill_attention": "Triton attention: prefill launches of at most 64 query tokens (speculative "
     "verification steps) split each query tile's keys over several programs; unset: on with CUDA + Triton",
     "fused_sampling": "temperature, top-k / min-p and the draw in one Triton pass; unset: on with CUDA + "

@@ -11,8 +11,9 @@ from tokenmill.kernels.options import resolve_kernel_toggle
 
 def create_attention_backend(kernels: KernelConfig, device: torch.device, pdl: bool) -> AttentionBackend:
     """The PyTorch reference backend, the CPU one (its decode steps in C), or the paged Triton kernels
-    (``pdl``: launched programmatically dependent; the fused decode step and split short prefills as
-    ``fused_decode_rotary_kv`` and ``split_prefill_attention`` resolve)."""
+    (``pdl``: launched programmatically dependent; the fused decode and prefill rotary / K/V writes and
+    split short prefills as ``fused_decode_rotary_kv``, ``fused_prefill_rotary_kv`` and
+    ``split_prefill_attention`` resolve)."""
     if kernels.attention_backend == "torch":
         return TorchAttentionBackend()
     if kernels.attention_backend == "cpu":
@@ -25,7 +26,10 @@ def create_attention_backend(kernels: KernelConfig, device: torch.device, pdl: b
 
     fused = resolve_kernel_toggle("decode_rotary_kv", kernels.fused_decode_rotary_kv, device)
     split = resolve_kernel_toggle("split_prefill_attention", kernels.split_prefill_attention, device)
-    return TritonAttentionBackend(pdl=pdl, fused_decode_rotary_kv=fused, split_prefill=split)
+    prefill = resolve_kernel_toggle("prefill_rotary_kv", kernels.fused_prefill_rotary_kv, device)
+    return TritonAttentionBackend(
+        pdl=pdl, fused_decode_rotary_kv=fused, split_prefill=split, fused_prefill_rotary_kv=prefill
+    )
 
 
 def _cpu_backend(device: torch.device) -> AttentionBackend:

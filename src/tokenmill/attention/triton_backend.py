@@ -29,6 +29,7 @@ from tokenmill.kernels.attention import (
     varlen_attention,
 )
 from tokenmill.kernels.kv_write import write_kv
+from tokenmill.kernels.rotary import rotate_and_write_kv
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -40,19 +41,22 @@ class TritonAttentionBackend(AttentionBackend):
         pdl: bool = False,
         fused_decode_rotary_kv: bool = False,
         split_prefill: bool = False,
+        fused_prefill_rotary_kv: bool = False,
     ) -> None:
         """The first three override the kernels' tile choices (for tuning and tests; None picks defaults);
         ``pdl`` launches the KV write and decode kernels programmatically dependent
         (``tokenmill.kernels.launch``); ``fused_decode_rotary_kv`` lets the decode kernel rotate q and the
         new key and store the new K/V itself (no rotary and KV-write launches on decode steps);
         ``split_prefill``: paged prefill launches of few query tokens split their keys
-        (``split_prefill_attention``)."""
+        (``split_prefill_attention``); ``fused_prefill_rotary_kv``: prefill steps rotate q and k and
+        store the new K/V in one launch."""
         self.decode_partition_size = decode_partition_size
         self.decode_config = decode_config
         self.prefill_config = prefill_config
         self.pdl = pdl
         self.fused_decode_rotary_kv = fused_decode_rotary_kv
         self.split_prefill = split_prefill
+        self.fused_prefill_rotary_kv = fused_prefill_rotary_kv
         self._decode = self._decode_fused if fused_decode_rotary_kv else self._decode_separate
 
     def forward(
@@ -68,9 +72,11 @@ class TritonAttentionBackend(AttentionBackend):
         check_head_dim(layer.head_dim)
         if kv_cache is not None and metadata.max_query_len == 1 and query.shape[0] == metadata.num_seqs:
             return self._decode(layer, query, key, value, metadata, kv_cache, rotary)
-        if rotary is not None:
-            query, key = rotary.apply(query, key)
         window = layer.sliding_window
+        if kv_cache is not None:
+            query = self._rotate_and_write(query, key, value, metadata, kv_cache, rotary)
+        elif rotary is not None:
+            query, key = rotary.apply(query, key)
         if kv_cache is None:
             return varlen_attention(
                 query,
@@ -82,8 +88,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self.prefill_config,
                 metadata.derived,
             )
-        slot_mapping, block_tables = _require_paging(metadata)
-        write_kv(key, value, kv_cache.key, kv_cache.value, slot_mapping, self.pdl)
+        _, block_tables = _require_paging(metadata)
         return paged_prefill_attention(
             query,
             kv_cache.key,
@@ -98,6 +103,29 @@ class TritonAttentionBackend(AttentionBackend):
             pdl=self.pdl,
             max_seq_len=metadata.max_seq_len if self.split_prefill else None,
         )
+
+    def _rotate_and_write(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: KVCacheLayer,
+        rotary: PendingRotary | None,
+    ) -> torch.Tensor:
+        """A prefill step's rotary embedding and K/V write; the rotated query. One launch where the rotation
+        covers the whole head (``fused_prefill_rotary_kv``: q and k rotated in place), else the rotation
+        then the KV-write kernel."""
+        slot_mapping, _ = _require_paging(metadata)
+        pools = (kv_cache.key, kv_cache.value)
+        if self.fused_prefill_rotary_kv and rotary is not None and rotary.cos_sin_cache is not None:
+            positions, table = rotary.positions, rotary.cos_sin_cache
+            rotate_and_write_kv(positions, query, key, value, table, pools, slot_mapping, self.pdl)
+            return query
+        if rotary is not None:
+            query, key = rotary.apply(query, key)
+        write_kv(key, value, *pools, slot_mapping, self.pdl)
+        return query
 
     def _decode_fused(
         self,

@@ -141,6 +141,7 @@ def _resolve_kernels(config: EngineConfig, platform: Platform) -> KernelConfig:
     }
     if backend in ("torch", "cpu"):
         toggles["fused_decode_rotary_kv"] = bool(kernels.fused_decode_rotary_kv)
+        toggles["fused_prefill_rotary_kv"] = bool(kernels.fused_prefill_rotary_kv)
         toggles["split_prefill_attention"] = bool(kernels.split_prefill_attention)
     pdl = kernels.programmatic_launch
     return replace(
