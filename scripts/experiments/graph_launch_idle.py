@@ -17,6 +17,7 @@ of ``bucket - 7`` tokens after each context length (a verification step deep int
 ``split_prefill_attention`` on and off.
 
     PYTHONPATH=src python scripts/experiments/graph_launch_idle.py [--model smollm2-135m] [--samples 50]
+    (the script's folder must be importable: it takes replay_micros from speculative_step_phases.py)
     PYTHONPATH=src python scripts/experiments/graph_launch_idle.py --contexts 0,512,1024,2048,4000
 """
 
@@ -27,24 +28,12 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from speculative_step_phases import replay_micros
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kernels.attention import plan, prefill
 from tokenmill.loading import load_model
-
-
-def back_to_back(graph: torch.cuda.CUDAGraph, replays: int = 200) -> float:
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / replays * 1e3
 
 
 def spin(micros: float) -> None:
@@ -105,7 +94,7 @@ def sleep_cycles_for(micros: float) -> int:
 
 
 def report(label: str, graph: torch.cuda.CUDAGraph, samples: int, cycles: int) -> None:
-    figures = {"back to back": back_to_back(graph), **from_idle(graph, samples)}
+    figures = {"back to back": replay_micros(graph), **from_idle(graph, samples)}
     figures["behind a sleep"] = behind_sleep(graph, samples, cycles)
     cells = ", ".join(f"{name} {value:.1f}" for name, value in figures.items())
     print(f"{label}: {cells} (µs)", flush=True)
@@ -148,7 +137,7 @@ def context_replays(
                     * (np.arange(graphs.table_width)[None, :] < blocks),
                 }
                 graphs._write(arrays, size)
-                cells.append(f"{size} tokens after {context}: {back_to_back(graphs.graphs[size]):.1f}")
+                cells.append(f"{size} tokens after {context}: {replay_micros(graphs.graphs[size]):.1f}")
         label = f"splits <= {variant[0]}, merge rows {variant[1]}" if variant else "unsplit"
         label += "".join(f", {name} off" for name in off)
         print(f"{model} {label}: " + ", ".join(cells) + " (µs)", flush=True)

@@ -20,8 +20,8 @@ from tokenmill.kernels.attention.partitions import (
     MERGE_CHUNK,
     context_range,
     decode_partials,
-    merge_partitions,
     partition_length,
+    store_partition,
 )
 from tokenmill.kernels.attention.plan import (
     MIN_DOT_ROWS,
@@ -192,22 +192,9 @@ def _decode_kernel(
     out_ptrs = out_ptr + seq * out_token_stride + heads[:, None] * out_head_stride + dims[None, :]
     if split and used > 1:
         parts = (seq * num_query_heads + heads) * num_splits
-        tl.store(
-            part_out_ptr + (parts + partition)[:, None] * head_dim + dims[None, :], out, mask=row_ok[:, None]
-        )
-        tl.store(part_max_ptr + parts + partition, row_max, mask=row_ok)
-        tl.store(part_sum_ptr + parts + partition, row_sum, mask=row_ok)
-        # The last partition to finish merges all of them: its acq_rel increment comes after every
-        # other partition's release of its stores, so it sees them all. It resets the counter for the
-        # next launch (the next layer, or the next replay of a graph).
-        tl.debug_barrier()
         counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
-            tl.atomic_xchg(counter, 0)
-            out = merge_partitions(
-                part_out_ptr, part_max_ptr, part_sum_ptr, parts, row_ok, used, dims, MERGE_CHUNK
-            )
-            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        store_partition(out, row_max, row_sum, out_ptrs, part_out_ptr, part_max_ptr, part_sum_ptr, parts,
+                        partition, counter, used, row_ok, dims, MERGE_CHUNK)  # fmt: skip
     else:  # one partition holds the whole context
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 

@@ -67,6 +67,42 @@ def merge_partitions(
     return acc / row_sum[:, None]
 
 
+@triton.jit
+def store_partition(
+    out: tl.tensor,
+    row_max: tl.tensor,
+    row_sum: tl.tensor,
+    out_ptrs: tl.tensor,
+    part_out_ptr: tl.tensor,
+    part_max_ptr: tl.tensor,
+    part_sum_ptr: tl.tensor,
+    parts: tl.tensor,
+    partition: tl.tensor,
+    counter: tl.tensor,
+    used: tl.tensor,
+    row_ok: tl.tensor,
+    dims: tl.tensor,
+    merge_chunk: tl.constexpr,
+) -> None:
+    """A split program's rows: its partition's output (normalized by its own sum), maximum and sum stored
+    at ``parts + partition``; the last of the ``used`` partitions to arrive merges them all into
+    ``out_ptrs``. Its acq_rel increment of ``counter`` comes after every other partition's release of its
+    stores, so it sees them all; it resets the counter for the next launch (the next layer, or the next
+    replay of a graph)."""
+    tl.store(
+        part_out_ptr + (parts + partition)[:, None] * dims.shape[0] + dims[None, :], out, mask=row_ok[:, None]
+    )
+    tl.store(part_max_ptr + parts + partition, row_max, mask=row_ok)
+    tl.store(part_sum_ptr + parts + partition, row_sum, mask=row_ok)
+    tl.debug_barrier()
+    if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
+        tl.atomic_xchg(counter, 0)
+        merged = merge_partitions(
+            part_out_ptr, part_max_ptr, part_sum_ptr, parts, row_ok, used, dims, merge_chunk
+        )
+        tl.store(out_ptrs, merged.to(out_ptrs.dtype.element_ty), mask=row_ok[:, None])
+
+
 def decode_partials(
     num_rows: int, num_merges: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
 from tokenmill.kernels.attention.checks import check_pools
-from tokenmill.kernels.attention.partitions import decode_partials, merge_partitions, partition_length
+from tokenmill.kernels.attention.partitions import decode_partials, partition_length, store_partition
 from tokenmill.kernels.attention.plan import (
     MIN_DOT_ROWS,
     DecodeSplit,
@@ -211,21 +211,9 @@ def _prefill_kernel(
         # A row may see no key of this partition (its position is before it): sum 0, output 0.
         out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
         parts = (q_rows * num_query_heads + heads) * num_splits
-        partition = tl.program_id(2)
-        tl.store(
-            part_out_ptr + (parts + partition)[:, None] * head_dim + dims[None, :], out, mask=row_ok[:, None]
-        )
-        tl.store(part_max_ptr + parts + partition, row_max, mask=row_ok)
-        tl.store(part_sum_ptr + parts + partition, row_sum, mask=row_ok)
-        # As in decode attention: the last partition to arrive merges them all and resets the counter.
-        tl.debug_barrier()
         counter = arrivals_ptr + program * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
-            tl.atomic_xchg(counter, 0)
-            out = merge_partitions(
-                part_out_ptr, part_max_ptr, part_sum_ptr, parts, row_ok, used, dims, merge_chunk
-            )
-            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        store_partition(out, row_max, row_sum, out_ptrs, part_out_ptr, part_max_ptr, part_sum_ptr, parts,
+                        tl.program_id(2), counter, used, row_ok, dims, merge_chunk)  # fmt: skip
     else:  # one partition holds every visible key
         out = acc / row_sum[:, None]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
