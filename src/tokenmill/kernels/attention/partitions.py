@@ -108,13 +108,21 @@ def decode_partials(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-partition outputs (normalized), maxima and sums of ``num_rows`` query tokens, and the arrival
     counters of ``num_merges`` merging groups (decode: a sequence's KV head; split prefill: a query
-    tile's); tiny placeholders when there is one split."""
-    shape = (num_rows, num_heads, num_splits) if num_splits > 1 else (1,)
-    part_out = torch.empty(*shape, head_dim if num_splits > 1 else 1, dtype=torch.float32, device=device)
+    tile's). With one split the kernel touches none of them: one placeholder kept per device stands for
+    the three buffers, so an unsplit launch (every prefill layer but short ones) allocates nothing."""
+    if num_splits == 1:
+        unused = _PLACEHOLDERS.get(device)
+        if unused is None:
+            unused = _PLACEHOLDERS[device] = torch.empty(1, dtype=torch.float32, device=device)
+        return unused, unused, unused, arrival_counters(device, 1)
+    shape = (num_rows, num_heads, num_splits)
+    part_out = torch.empty(*shape, head_dim, dtype=torch.float32, device=device)
     part_max = torch.empty(shape, dtype=torch.float32, device=device)
     part_sum = torch.empty(shape, dtype=torch.float32, device=device)
-    arrivals = arrival_counters(device, num_merges if num_splits > 1 else 1)
-    return part_out, part_max, part_sum, arrivals
+    return part_out, part_max, part_sum, arrival_counters(device, num_merges)
+
+
+_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
