@@ -388,28 +388,39 @@ def test_a_started_step_is_dropped_when_the_batch_changes(tiny) -> None:  # type
 def test_overlap_with_a_proposer_runs_while_no_step_speculates_or_nothing_was_guessed(tiny) -> None:  # type: ignore[no-untyped-def]
     """With n-gram speculation configured, a decode step is started ahead while the batch is at or above
     ``speculative_disable_by_batch_size`` (no step speculates), and below it only after a step for which
-    the proposer guessed nothing. A started step that the next one does not match (a guess came after
-    all, or the batch shrank) is dropped; the greedy tokens are the reference loop's throughout."""
+    the proposer guessed nothing. Guesses that come while a started step is in flight for the running
+    sequences wait for it (the started step is used, not dropped, and the step after it is not started
+    ahead); the greedy tokens are the reference loop's throughout."""
     engine = engine_for(
         tiny, block_size=4, num_kv_blocks=64, max_model_len=64, speculative_method="ngram",
         num_speculative_tokens=3, speculative_disable_by_batch_size=3, debug_checks=True,
     )  # fmt: skip
     _with_static_decode(engine, (1, 2, 4), overlap=True)
     graphs = _graphs(engine)
-    started_at: list[tuple[int, int]] = []  # (running batch, sequences given guesses) at each start
-    start = graphs.start_next_step
+    started_at: list[tuple[int, int, bool]] = []  # (running batch, sequences given guesses, deferred)
+    deferrals: list[int] = []  # graphs.num_started at each deferral
+    start, propose = graphs.start_next_step, engine.guessing.propose
 
     def recording_start(*args: Any) -> None:
-        started_at.append((len(engine.scheduler.running), engine._num_guessing))
+        guessing = engine.guessing
+        started_at.append((len(engine.scheduler.running), guessing.num_guessing, guessing.deferred))
         start(*args)
 
+    def recording_propose(*args: Any) -> None:
+        propose(*args)
+        if engine.guessing.deferred:
+            assert not any(seq.draft_token_ids for seq in engine.scheduler.running)
+            deferrals.append(graphs.num_started)
+
     graphs.start_next_step = recording_start  # type: ignore[method-assign]
+    engine.guessing.propose = recording_propose  # type: ignore[method-assign]
     prompts = {f"r{i}": [5, 6, 7, 8] * 3 + [9 + i] * (i + 1) for i in range(4)}
     max_tokens = {rid: 4 + 5 * i for i, rid in enumerate(prompts)}  # the batch shrinks 4, 3, 2, 1
     _serve_greedy_and_check(tiny, engine, prompts, max_tokens)
-    assert all(batch >= 3 or guessing == 0 for batch, guessing in started_at), started_at
-    assert any(batch < 3 for batch, _ in started_at)  # started below the cutoff after a step without guesses
-    assert graphs.num_reused > 0 and graphs.num_started > graphs.num_reused  # some used, some dropped
+    assert all(batch >= 3 or (guessing == 0 and not deferred) for batch, guessing, deferred in started_at)
+    assert any(batch < 3 for batch, _, _ in started_at)  # below the cutoff, after a step without guesses
+    assert deferrals and graphs.num_reused > 0  # guesses came while a started step was in flight
+    assert graphs.num_started == graphs.num_reused  # ... and it was used each time, not dropped
     assert engine.scheduler_stats().spec_decode.num_steps > 0  # and speculated below the cutoff
     assert engine.kv_cache.manager.num_used_blocks == 0
 

@@ -16,7 +16,9 @@ from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
-from tokenmill.speculative.ngram import lookup
+from tokenmill.sequence import Sequence as Seq
+from tokenmill.speculative.guessing import GuessingRounds
+from tokenmill.speculative.ngram import NgramProposer, lookup
 from tokenmill.speculative.rejection import Distributions, RowNoise, accepted_prefixes, verify
 
 P_VALUE = 1e-3  # each test draws fresh samples; a correct sampler fails one of them one time in a thousand
@@ -212,3 +214,35 @@ def test_sampled_speculative_outputs_follow_the_models_distribution(proposer: st
         for outcome, probability in joint.items():
             marginal[(outcome[position],)] = marginal.get((outcome[position],), 0.0) + probability
         assert_fits([(sample[position],) for sample in samples], marginal)
+
+
+def _decoding(seq_id: str, prompt: list[int], output: list[int]) -> Seq:
+    """A sequence whose prompt and output but its last token are computed (its next step is a decode)."""
+    seq = Seq(seq_id, prompt, SamplingParams(temperature=0, max_tokens=64), 64)
+    for token in output:
+        seq.append_token(token)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    return seq
+
+
+def test_guesses_wait_for_a_step_started_ahead_for_exactly_the_running_sequences() -> None:
+    """``GuessingRounds``: guesses are kept when no decode step is started ahead, or when the started one is
+    not for exactly the running sequences; they are dropped and deferred when it is (and no step is then
+    started ahead); a step without guesses allows one. The kept guesses are prompt lookup's."""
+    copying = _decoding("a", [1, 2, 3, 4, 5, 6, 1, 2], [3])  # "2 3" occurred before: guess 4, 5, 6, ...
+    novel = _decoding("b", [7, 8, 9], [10])  # nothing to look up
+    proposer = NgramProposer(3, 2, 4)
+    rounds = GuessingRounds(max_model_len=64, disable_by_batch_size=None)
+    for started in (None, [copying], [novel, copying, _decoding("c", [7, 8], [9])]):
+        rounds.propose(proposer, [copying, novel], started)
+        assert copying.draft_token_ids == lookup(copying.token_ids, 2, 4, 3) == [4, 5, 6]
+        assert novel.draft_token_ids == [] and rounds.num_guessing == 1 and not rounds.deferred
+        assert not rounds.allows_start_ahead(2)
+    rounds.propose(proposer, [copying, novel], [novel, copying])
+    assert rounds.deferred and rounds.num_guessing == 0 and copying.draft_token_ids == []
+    assert not rounds.allows_start_ahead(2)
+    rounds.propose(proposer, [novel], [novel])
+    assert not rounds.deferred and rounds.num_guessing == 0 and rounds.allows_start_ahead(1)
+    at_cutoff = GuessingRounds(max_model_len=64, disable_by_batch_size=2)
+    at_cutoff.propose(proposer, [copying, novel], None)  # no step speculates at 2 sequences
+    assert at_cutoff.num_guessing == 0 and at_cutoff.allows_start_ahead(2)

@@ -2,9 +2,9 @@
 policy buys. Runs `bench speculative`'s code-editing and copy-mix prompts one at a time (greedy) through
 engines with speculation off and on (n-gram, each k given), every prompt off then on before the next:
 
-* ``on`` starts plain decode steps ahead after a step without guesses (the engine's policy);
-* ``on-no-overlap`` never starts a step ahead while below ``speculative_disable_by_batch_size`` (the
-  policy before it);
+* ``on`` starts plain decode steps ahead after a step without guesses, and defers guesses that meet such a
+  started step (the engine's policy, ``speculative/guessing.py``);
+* ``on-no-deferral`` drops the started step and verifies the guesses at once (the policy before);
 
 then, with ``--phases``, times the engine's methods in one more ``on`` run, per kind of step (verifying
 guesses or plain), and times the replay of a decode graph and of the prefill graph a verification step
@@ -18,7 +18,6 @@ import argparse
 import collections
 import statistics
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +31,15 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine import llm_engine
 from tokenmill.loading import LoadedModel
 from tokenmill.runner import model_runner, prefill_graphs, step_inputs
-from tokenmill.runner.model_runner import PendingStep
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import scheduler
-from tokenmill.speculative import verification
+from tokenmill.speculative import guessing, verification
 
 PHASES: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
 STEP_KIND = {"verify": False}
 TIMED: list[tuple[Any, str]] = [
     *phase_timers.engine_step_targets(),
-    (llm_engine, "propose_drafts"),
+    (guessing, "propose_drafts"),
     (model_runner.ModelRunner, "_compute_logits"),
     (model_runner, "verify_step"),
     (verification, "accepted_prefixes"),
@@ -62,12 +60,14 @@ def wrap_phases() -> None:
     scheduler.Scheduler.schedule = classified  # type: ignore[method-assign]
 
 
-def no_overlap_while_speculating(self: Any, step: PendingStep) -> bool:
-    """The policy before: with a proposer, start ahead only at or above the batch-size cutoff."""
-    if not self.runner.can_start_next_step(step):
-        return False
-    cutoff = self.config.speculative.disable_by_batch_size
-    return cutoff is not None and len(self.scheduler.running) >= cutoff
+def without_deferral(engine: llm_engine.LLMEngine) -> None:
+    """The policy before ``GuessingRounds`` deferred guesses: a started step they meet is dropped."""
+    propose = engine.guessing.propose
+
+    def propose_at_once(proposer: Any, running: Any, started: Any) -> None:
+        propose(proposer, running, None)
+
+    engine.guessing.propose = propose_at_once  # type: ignore[method-assign]
 
 
 def engines(
@@ -80,8 +80,8 @@ def engines(
         if not old_policy:
             continue
         old = llm_engine.LLMEngine(config, loaded=loaded)
-        old._can_start_next_step = types.MethodType(no_overlap_while_speculating, old)  # type: ignore[method-assign]
-        out[f"on-no-overlap k={k}"] = old
+        without_deferral(old)
+        out[f"on-no-deferral k={k}"] = old
     return out
 
 
@@ -112,26 +112,37 @@ def compare(loaded: LoadedModel, named: dict[str, llm_engine.LLMEngine], max_tok
 
 
 def phases(loaded: LoadedModel, engine: llm_engine.LLMEngine, max_tokens: int) -> None:
+    """Host timers per kind of step: verifying guesses, plain from a step started ahead, plain run at
+    once; and the count of started steps dropped."""
     wrap_phases()
     chat = loaded.tokenizer.apply_chat_template  # type: ignore[union-attr]
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
-    steps: dict[str, list[float]] = {"verify": [], "plain": []}
+    graphs = engine.runner.decode_graphs
+    steps: dict[str, list[float]] = {"verify": [], "plain, started ahead": [], "plain, at once": []}
+    dropped = 0
     for index, text in enumerate(prompts.CODE_EDITING):
         tokens = chat([{"role": "user", "content": text}], True, tokenize=True)
         engine.add_request(f"phases-{index}", tokens, greedy)
         first = True
         while engine.has_unfinished_requests():
             phase_timers.clear()
+            reused = graphs.num_reused if graphs is not None else 0
+            pending = graphs is not None and graphs.started_sequences() is not None
             started = time.perf_counter()
             engine.step()
             elapsed = time.perf_counter() - started
+            now_reused = graphs.num_reused if graphs is not None else 0
+            dropped += pending and now_reused == reused
             if first:  # the prefill
                 first = False
                 continue
-            kind = "verify" if STEP_KIND["verify"] else "plain"
+            kind = "verify" if STEP_KIND["verify"] else "plain, at once"
+            if not STEP_KIND["verify"] and now_reused > reused:
+                kind = "plain, started ahead"
             steps[kind].append(elapsed)
             for label, seconds in phase_timers.SECONDS.items():
                 PHASES[kind][label] += seconds
+    print(f"started steps dropped: {dropped}")
     for kind, times in steps.items():
         if not times:
             continue
@@ -246,7 +257,7 @@ def main() -> None:
     parser.add_argument("--dummy", action="store_true", help="random weights (--model names a preset)")
     parser.add_argument("--quantization", help="e.g. none: a GGUF model's weights as float (default: auto)")
     parser.add_argument("--gpu-split", action="store_true", help="CUDA-event split of verification steps")
-    parser.add_argument("--no-old-policy", action="store_true", help="skip the on-no-overlap engines")
+    parser.add_argument("--no-old-policy", action="store_true", help="skip the on-no-deferral engines")
     parser.add_argument("--tokenizer", help="a tokenizer folder or model (with --dummy weights)")
     parser.add_argument("--off", action="append", default=[], help="an engine toggle to switch off")
     parser.add_argument(

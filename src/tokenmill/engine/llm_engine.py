@@ -41,7 +41,7 @@ from tokenmill.scheduler.output import SchedulerStats
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.sequence import FinishReason, Sequence
 from tokenmill.speculative.factory import create_proposer
-from tokenmill.speculative.proposer import propose_drafts
+from tokenmill.speculative.guessing import GuessingRounds
 from tokenmill.structured.backend import CompiledGrammar
 from tokenmill.structured.manager import StructuredOutputs
 from tokenmill.tokenizer import Tokenizer
@@ -107,7 +107,7 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences
         self.texts: dict[Sequence, StopStringDetokenizer] = {}
         self._pending: list[RequestDelta] = []
-        self._num_guessing = 0  # sequences the proposer gave guesses for the step running now
+        self.guessing = GuessingRounds(self.max_model_len, self.config.speculative.disable_by_batch_size)
         self.warm_start = self.warm_up() if self.config.warm_start else None
         torch.manual_seed(config.seed)
         self.startup_seconds = time.perf_counter() - started
@@ -272,9 +272,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestDelta]:
         if self.proposer is not None:
-            cutoff = self.config.speculative.disable_by_batch_size
-            running = self.scheduler.running
-            self._num_guessing = propose_drafts(self.proposer, running, self.max_model_len, cutoff)
+            self.guessing.propose(self.proposer, self.scheduler.running, self.runner.started_sequences())
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             deltas, self._pending = self._pending, []
@@ -311,17 +309,12 @@ class LLMEngine:
         return self._forget_finished(deltas)
 
     def _can_start_next_step(self, step: PendingStep) -> bool:
-        """Whether to enqueue the decode step after ``step`` before reading it (overlapped decode). With a
-        proposer, while no step speculates (``disable_by_batch_size`` or more sequences run) or after it
-        guessed nothing for ``step`` (the next step's shape depends on guesses from ``step``'s tokens, and
-        text that does not copy most likely still does not). If guesses come, or the batch changes, the
-        started step does not match the next and is dropped: wasted work the next step waits behind."""
+        """Whether to enqueue the decode step after ``step`` before reading it (overlapped decode); with a
+        proposer, as :class:`~tokenmill.speculative.guessing.GuessingRounds` allows. If guesses come, or
+        the batch changes, the started step does not match the next one and is dropped."""
         if not self.runner.can_start_next_step(step):
             return False
-        if self.proposer is None or self._num_guessing == 0:
-            return True
-        cutoff = self.config.speculative.disable_by_batch_size
-        return cutoff is not None and len(self.scheduler.running) >= cutoff
+        return self.proposer is None or self.guessing.allows_start_ahead(len(self.scheduler.running))
 
     def _fill_masks_ahead(self) -> None:
         """Start filling the next masks in the background (``structured_masks_ahead``), while the host

@@ -52,6 +52,7 @@ from tokenmill.distributed import tp_world_size
 from tokenmill.models import CausalLM
 from tokenmill.runner.decode_inputs import DecodeInputs
 from tokenmill.scheduler.output import ScheduledChunk
+from tokenmill.sequence import Sequence as Seq
 
 logger = logging.getLogger(__name__)
 SIZE_STEP = 8  # captured sizes: 1, 2, 4, then every multiple of this
@@ -219,6 +220,10 @@ class DecodeGraphRunner:
             return DecodeLogits(self.model.compute_logits(hidden), None)
         logits, argmax = outputs.logits
         return DecodeLogits(logits[:count], None if argmax is None else argmax[:count])
+
+    def started_sequences(self) -> list[Seq] | None:
+        """The sequences of the started next step; None if there is none."""
+        return None if self._started is None else [chunk.seq for chunk in self._started[0]]
 
     def drop_started_step(self) -> None:
         """Forget a started next step: the engine runs something else first."""

@@ -217,6 +217,10 @@ class ModelRunner:
             return False
         return step.reads_only_token_ids and graphs.can_run(step.chunks)
 
+    def started_sequences(self) -> list[Seq] | None:
+        """The sequences of the decode step started ahead and not run yet; None if there is none."""
+        return self.decode_graphs.started_sequences() if self.decode_graphs is not None else None
+
     @torch.inference_mode()
     def start_next_step(self, step: PendingStep, rows: Sequence[int] | None = None) -> None:
         """Enqueue the decode step after ``step`` for its ``rows`` (default: all; the others end here), fed

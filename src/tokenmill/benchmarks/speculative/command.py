@@ -250,7 +250,7 @@ def render(runs: Sequence[TimedRun], batch_size: int, device_type: str = "cpu") 
         "- no step speculates while speculative_disable_by_batch_size or more sequences run (auto: 8 on "
         "CPU, 2 on a GPU); on a GPU, batch-1 verification steps run through the one-sequence prefill "
         "graphs, batched ones eagerly; decode steps are overlapped while no step can speculate or after a "
-        "step without guesses",
+        "step without guesses, and guesses that come while such a started step is in flight wait for it",
     ]
 
 
