@@ -213,13 +213,24 @@ def _with_static_decode(
 ) -> list[int]:
     """Route the engine's decode steps through a graph runner that runs eagerly (no capture on CPU), with
     ``overlap`` as ``overlap_decode`` sets it; returns a list that records the batch size of each step it
-    ran."""
+    ran. Each step's input arrays (built by the one-chunk builder at batch 1) are checked against the
+    general builder's."""
     kv, runner = engine.kv_cache, engine.runner
     assert kv.layers is not None
     graphs = DecodeGraphRunner(
         runner.model, runner.backend, kv.layers, kv.manager, sizes, engine.max_model_len, logits_in_graph,
         runner.sampler.argmax,
     )  # fmt: skip
+    step_arrays, width = graphs.inputs.step_arrays, graphs.inputs.table_width
+
+    def checked(chunks: Any, kv: Any, num_rows: int, with_ids: bool = True, *rest: Any, **named: Any) -> Any:
+        arrays = step_arrays(chunks, kv, num_rows, with_ids, *rest, **named)
+        general = build_step_arrays(chunks, kv, num_rows, width, with_token_ids=with_ids)
+        for name, array in general.items():
+            assert arrays[name].dtype == array.dtype and arrays[name].tolist() == array.tolist(), name
+        return arrays
+
+    graphs.inputs.step_arrays = checked  # type: ignore[method-assign]
     runner.decode_graphs = graphs
     runner.overlap = overlap
     return _count_runs(graphs)
@@ -423,6 +434,17 @@ def test_overlap_with_a_proposer_runs_while_no_step_speculates_or_nothing_was_gu
     assert graphs.num_started == graphs.num_reused  # ... and it was used each time, not dropped
     assert engine.scheduler_stats().spec_decode.num_steps > 0  # and speculated below the cutoff
     assert engine.kv_cache.manager.num_used_blocks == 0
+
+
+def test_a_capture_of_one_padding_row_takes_the_general_builders_arrays(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Capture writes every row as padding; at one row (a capacity of 1) the batch-1 builder is not for
+    it, and the arrays are the general builder's."""
+    engine = engine_for(tiny, block_size=4, num_kv_blocks=16, max_model_len=32)
+    _with_static_decode(engine, (1,))
+    inputs, kv = _graphs(engine).inputs, engine.kv_cache.manager
+    padding = inputs.step_arrays([], kv, 1)
+    assert padding["seq_lens"].tolist() == [1] and padding["slot_mapping"].tolist() == [-1]
+    inputs.write([], kv, 1)
 
 
 def test_a_step_is_started_ahead_for_the_sequences_that_outlive_this_one(tiny) -> None:  # type: ignore[no-untyped-def]

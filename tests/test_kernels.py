@@ -893,8 +893,11 @@ def test_kernel_options_auto_is_off_on_cpu_and_explicit_on_needs_triton(
     if interpreter_enabled():
         assert KernelOptions.resolve("cpu", rotary=True).enabled == ("rotary",)
     if ON_CUDA:
-        assert KernelOptions.resolve("cuda").enabled == KERNEL_TOGGLES
-        assert KernelOptions.resolve("cuda", activation=False).enabled == ("rms_norm", "rotary", "gemv")
+        auto_on = (*KERNEL_TOGGLES, "gemv_rows", "w8a8")  # (w8a8 applies to quantized weights only)
+        assert KernelOptions.resolve("cuda").enabled == auto_on
+        assert KernelOptions.resolve("cuda", activation=False).enabled == tuple(
+            name for name in auto_on if name != "activation"
+        )
     assert not KernelOptions.resolve("cpu").pdl
     with pytest.raises(ValueError, match="programmatic dependent launch needs compiled Triton"):
         KernelOptions.resolve("cpu", pdl=True)  # the interpreter too: it has no launch to make dependent

@@ -30,7 +30,7 @@ from tokenmill.benchmarks.speculative.timing import TimedRun, merged, one_at_a_t
 from tokenmill.config import EngineConfig
 from tokenmill.engine import llm_engine
 from tokenmill.loading import LoadedModel
-from tokenmill.runner import model_runner, prefill_graphs, step_inputs
+from tokenmill.runner import decode_inputs, model_runner, prefill_graphs, step_inputs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import scheduler
 from tokenmill.speculative import guessing, verification
@@ -227,9 +227,10 @@ def replay_times(engine: llm_engine.LLMEngine) -> None:
 
 
 def profile_graphs(engine: llm_engine.LLMEngine, folder: Path) -> None:
-    """Kernels of 20 replays of the one-row decode graph and of the 16-token prefill graph, by kind."""
+    """Kernels of 20 replays of the one-row decode graph and of the 16- and 32-token prefill graphs."""
     runner = engine.runner
     cases = [("decode-1", runner.decode_graphs, 1), ("prefill-16", runner.prefill_graphs, 16)]
+    cases.append(("prefill-32", runner.prefill_graphs, 32))
     for label, graphs, size in cases:
         if graphs is None or size not in graphs.graphs:
             continue
@@ -261,7 +262,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="a tokenizer folder or model (with --dummy weights)")
     parser.add_argument("--off", action="append", default=[], help="an engine toggle to switch off")
     parser.add_argument(
-        "--general-inputs", action="store_true", help="prefill graphs build inputs as eager steps do"
+        "--general-inputs", action="store_true", help="graphs build their inputs as eager steps do"
     )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -275,12 +276,13 @@ def main() -> None:
     if args.quantization is not None:
         base = base.with_options(quantization=args.quantization)
     base = base.with_options(**dict.fromkeys(args.off, False))
-    if args.general_inputs:  # the builder before one_chunk_arrays
+    if args.general_inputs:  # the builder before one_chunk_arrays (prefill and batch-1 decode graphs)
 
         def general(chunk: Any, kv: Any, width: int) -> Any:
             return step_inputs.build_step_arrays([chunk], kv, table_width=width)
 
         prefill_graphs.one_chunk_arrays = general  # type: ignore[assignment]
+        decode_inputs.one_chunk_arrays = general  # type: ignore[assignment]
     named = engines(base, loaded, [int(k) for k in args.ks.split(",")], not args.no_old_policy)
     if args.profile_dir is not None:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
