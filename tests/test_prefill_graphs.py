@@ -33,7 +33,8 @@ def tiny(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 def _with_prefill_graphs(engine: LLMEngine) -> list[int]:
     """Give the engine's runner prefill graphs (uncaptured on CPU); the chunk lengths they ran. Each
-    chunk's inputs, built by the one-chunk builder, are checked against the general builder's."""
+    chunk's inputs, built by the one-chunk builder, are checked against the general builder's (at the
+    graphs' table width and at the sequence's own, as eager one-sequence steps build them)."""
     runner = engine.runner
     assert runner.kv.layers is not None
     graphs = PrefillGraphRunner(
@@ -44,11 +45,12 @@ def _with_prefill_graphs(engine: LLMEngine) -> list[int]:
 
     def counted(chunk: ScheduledChunk) -> torch.Tensor:
         runs.append(chunk.num_tokens)
-        fast = one_chunk_arrays(chunk, graphs.kv, graphs.table_width)
-        general = build_step_arrays([chunk], graphs.kv, table_width=graphs.table_width)
-        assert fast.keys() == general.keys()
-        for name, array in general.items():
-            assert fast[name].dtype == array.dtype and fast[name].tolist() == array.tolist(), name
+        for width in (graphs.table_width, None):  # the graphs' fixed width, and eager steps' own
+            fast = one_chunk_arrays(chunk, graphs.kv, width)
+            general = build_step_arrays([chunk], graphs.kv, table_width=width)
+            assert fast.keys() == general.keys()
+            for name, array in general.items():
+                assert fast[name].dtype == array.dtype and fast[name].tolist() == array.tolist(), name
         return run(chunk)
 
     graphs.run = counted  # type: ignore[method-assign]

@@ -82,7 +82,10 @@ def to_device_async(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def pack_to_device(arrays: Mapping[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """Copy int32 / int64 numpy arrays to ``device`` in one transfer; the results keep their shapes."""
+    """Copy int32 / int64 numpy arrays to ``device`` in one transfer; the results keep their shapes. On the
+    CPU the tensors share the arrays' memory (each step's arrays are made for it and not kept)."""
+    if device.type == "cpu":
+        return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in arrays.items()}
     layout = PackedLayout([(name, _TORCH_DTYPES[a.dtype], a.size) for name, a in arrays.items()])
     host = host_buffer(layout.nbytes, device)
     for name, view in layout.numpy_views(host.numpy()).items():
@@ -138,21 +141,28 @@ def build_step_arrays(
     return arrays
 
 
-def one_chunk_arrays(chunk: ScheduledChunk, kv: KVCacheManager, table_width: int) -> dict[str, np.ndarray]:
-    """:func:`build_step_arrays` of a step that is one chunk over a paged pool, with block tables
-    ``table_width`` wide: the same arrays from a handful of numpy calls instead of some forty, for the
-    one-sequence prefill graphs (a batch-1 verification step builds these while the GPU waits)."""
+def one_chunk_arrays(
+    chunk: ScheduledChunk, kv: KVCacheManager, table_width: int | None = None
+) -> dict[str, np.ndarray]:
+    """:func:`build_step_arrays` of a step that is one chunk (block tables ``table_width`` wide, or as wide
+    as the sequence's): the same arrays from a handful of numpy calls instead of some forty, for batch-1
+    steps, whose host work the device waits for (the one-sequence prefill graphs, batch-1 decode graphs,
+    eager steps of one sequence)."""
     start, end = chunk.start, chunk.end
-    paging = kv.paging_arrays([chunk.seq], np.array([start]), np.array([end]), table_width)
-    return {
+    arrays: dict[str, np.ndarray] = {
         "positions": np.arange(start, end, dtype=np.int64),
         "seq_lens": np.array([end], np.int32),
         "query_start_loc": np.array([0, end - start], np.int32),
         "sample_rows": np.arange(end - start - chunk.num_sampled_rows, end - start, dtype=np.int64),
         "input_ids": np.array(chunk.seq.token_ids[start:end], np.int64),
-        "slot_mapping": paging["slot_mapping"],
-        "block_tables": paging["block_tables"],
     }
+    arrays.update(kv.paging_arrays([chunk.seq], np.array([start]), np.array([end]), table_width))
+    return arrays
+
+
+def step_arrays(chunks: Sequence[ScheduledChunk], kv: KVCacheManager) -> dict[str, np.ndarray]:
+    """An eager step's host arrays: :func:`one_chunk_arrays` for one chunk, else :func:`build_step_arrays`."""
+    return one_chunk_arrays(chunks[0], kv) if len(chunks) == 1 else build_step_arrays(chunks, kv)
 
 
 def _sample_rows(chunks: Sequence[ScheduledChunk], chunk_ends: np.ndarray) -> np.ndarray:
