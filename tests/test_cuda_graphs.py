@@ -46,7 +46,7 @@ from tokenmill.runner.cuda_graphs import (
     is_decode_step,
     padded_batch_size,
 )
-from tokenmill.runner.step_inputs import PackedLayout, build_step_arrays, pack_to_device
+from tokenmill.runner.step_inputs import PackedLayout, batch_step_arrays, build_step_arrays, pack_to_device
 from tokenmill.scheduler.output import ScheduledChunk, SchedulerOutput, StepResult
 from tokenmill.scheduler.scheduler import Scheduler
 from tokenmill.sequence import FinishReason, Sequence
@@ -214,7 +214,7 @@ def _with_static_decode(
     """Route the engine's decode steps through a graph runner that runs eagerly (no capture on CPU), with
     ``overlap`` as ``overlap_decode`` sets it; returns a list that records the batch size of each step it
     ran. Each step's input arrays (built by the one-chunk builder at batch 1) are checked against the
-    general builder's."""
+    batch builder's."""
     kv, runner = engine.kv_cache, engine.runner
     assert kv.layers is not None
     graphs = DecodeGraphRunner(
@@ -225,7 +225,7 @@ def _with_static_decode(
 
     def checked(chunks: Any, kv: Any, num_rows: int, with_ids: bool = True, *rest: Any, **named: Any) -> Any:
         arrays = step_arrays(chunks, kv, num_rows, with_ids, *rest, **named)
-        general = build_step_arrays(chunks, kv, num_rows, width, with_token_ids=with_ids)
+        general = batch_step_arrays(chunks, kv, num_rows, width, with_token_ids=with_ids)
         for name, array in general.items():
             assert arrays[name].dtype == array.dtype and arrays[name].tolist() == array.tolist(), name
         return arrays
@@ -437,8 +437,8 @@ def test_overlap_with_a_proposer_runs_while_no_step_speculates_or_nothing_was_gu
 
 
 def test_a_capture_of_one_padding_row_takes_the_general_builders_arrays(tiny) -> None:  # type: ignore[no-untyped-def]
-    """Capture writes every row as padding; at one row (a capacity of 1) the batch-1 builder is not for
-    it, and the arrays are the general builder's."""
+    """Capture writes every row as padding; at one row (a capacity of 1) the one-chunk builder is not for
+    it, and the arrays are the batch builder's."""
     engine = engine_for(tiny, block_size=4, num_kv_blocks=16, max_model_len=32)
     _with_static_decode(engine, (1,))
     inputs, kv = _graphs(engine).inputs, engine.kv_cache.manager

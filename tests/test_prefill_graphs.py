@@ -17,7 +17,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
 from tokenmill.reference import greedy_generate
 from tokenmill.runner.prefill_graphs import PrefillGraphRunner, prefill_graph_sizes
-from tokenmill.runner.step_inputs import build_step_arrays, one_chunk_arrays
+from tokenmill.runner.step_inputs import batch_step_arrays, one_chunk_arrays
 from tokenmill.scheduler.output import ScheduledChunk
 
 SIZES = (8, 16, 32)
@@ -33,7 +33,7 @@ def tiny(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 def _with_prefill_graphs(engine: LLMEngine) -> list[int]:
     """Give the engine's runner prefill graphs (uncaptured on CPU); the chunk lengths they ran. Each
-    chunk's inputs, built by the one-chunk builder, are checked against the general builder's (at the
+    chunk's inputs, built by the one-chunk builder, are checked against the batch builder's (at the
     graphs' table width and at the sequence's own, as eager one-sequence steps build them)."""
     runner = engine.runner
     assert runner.kv.layers is not None
@@ -47,7 +47,7 @@ def _with_prefill_graphs(engine: LLMEngine) -> list[int]:
         runs.append(chunk.num_tokens)
         for width in (graphs.table_width, None):  # the graphs' fixed width, and eager steps' own
             fast = one_chunk_arrays(chunk, graphs.kv, width)
-            general = build_step_arrays([chunk], graphs.kv, table_width=width)
+            general = batch_step_arrays([chunk], graphs.kv, table_width=width)
             assert fast.keys() == general.keys()
             for name, array in general.items():
                 assert fast[name].dtype == array.dtype and fast[name].tolist() == array.tolist(), name

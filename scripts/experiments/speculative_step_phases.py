@@ -30,7 +30,7 @@ from tokenmill.benchmarks.speculative.timing import TimedRun, merged, one_at_a_t
 from tokenmill.config import EngineConfig
 from tokenmill.engine import llm_engine
 from tokenmill.loading import LoadedModel
-from tokenmill.runner import decode_inputs, model_runner, prefill_graphs, step_inputs
+from tokenmill.runner import model_runner, prefill_graphs, step_inputs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import scheduler
 from tokenmill.speculative import guessing, verification
@@ -276,13 +276,12 @@ def main() -> None:
     if args.quantization is not None:
         base = base.with_options(quantization=args.quantization)
     base = base.with_options(**dict.fromkeys(args.off, False))
-    if args.general_inputs:  # the builder before one_chunk_arrays (prefill and batch-1 decode graphs)
+    if args.general_inputs:  # batch-1 steps built as batches (the builder before one_chunk_arrays)
 
-        def general(chunk: Any, kv: Any, width: int) -> Any:
-            return step_inputs.build_step_arrays([chunk], kv, table_width=width)
+        def general(chunk: Any, kv: Any, width: int | None, with_token_ids: bool = True) -> Any:
+            return step_inputs.batch_step_arrays([chunk], kv, None, width, with_token_ids)
 
-        prefill_graphs.one_chunk_arrays = general  # type: ignore[assignment]
-        decode_inputs.one_chunk_arrays = general  # type: ignore[assignment]
+        step_inputs.one_chunk_arrays = general  # type: ignore[assignment]
     named = engines(base, loaded, [int(k) for k in args.ks.split(",")], not args.no_old_policy)
     if args.profile_dir is not None:
         args.profile_dir.mkdir(parents=True, exist_ok=True)

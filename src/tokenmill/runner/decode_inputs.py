@@ -13,13 +13,7 @@ import torch
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.cache.kv_cache_manager import KVCacheManager
-from tokenmill.runner.step_inputs import (
-    PackedLayout,
-    attention_metadata,
-    build_step_arrays,
-    host_buffer,
-    one_chunk_arrays,
-)
+from tokenmill.runner.step_inputs import PackedLayout, attention_metadata, build_step_arrays, host_buffer
 from tokenmill.scheduler.output import ScheduledChunk
 
 # The static buffers: the step's inputs of one value per row (query_start_loc: one more), the rows of the
@@ -94,12 +88,7 @@ class DecodeInputs:
         if not len(chunks) <= num_rows <= self.capacity:
             raise ValueError(f"{len(chunks)} sequences do not fit {num_rows} rows of {self.capacity}")
         width = self.table_width if full_width else None
-        if len(chunks) == num_rows == 1 and width is not None:  # batch 1: the same arrays, fewer numpy calls
-            arrays = one_chunk_arrays(chunks[0], kv, width)
-            if not with_token_ids:
-                del arrays["input_ids"]
-        else:
-            arrays = build_step_arrays(chunks, kv, num_rows, width, with_token_ids=with_token_ids)
+        arrays = build_step_arrays(chunks, kv, num_rows, width, with_token_ids=with_token_ids)
         if token_rows is not None:
             arrays["token_rows"] = np.asarray(token_rows, np.int64)
         return arrays

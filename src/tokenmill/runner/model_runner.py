@@ -34,7 +34,7 @@ from tokenmill.runner.sampler import (
     SamplingRow,
     compute_prompt_logprobs,
 )
-from tokenmill.runner.step_inputs import attention_metadata, pack_to_device, step_arrays
+from tokenmill.runner.step_inputs import attention_metadata, build_step_arrays, pack_to_device
 from tokenmill.scheduler.output import ScheduledChunk, StepResult
 from tokenmill.sequence import Sequence as Seq
 from tokenmill.speculative.verification import verify_step
@@ -182,7 +182,7 @@ class ModelRunner:
 
     def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden states of an eager step over ``chunks``, and the rows whose logits it needs."""
-        arrays = step_arrays(chunks, self.kv.manager)
+        arrays = build_step_arrays(chunks, self.kv.manager)
         dev = pack_to_device(arrays, self.device)
         max_query_len, max_seq_len = (
             max(chunk.num_tokens for chunk in chunks),

@@ -28,7 +28,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.models import CausalLM
 from tokenmill.runner.cuda_graphs import CaptureReport, capture_graphs, padded_batch_size
 from tokenmill.runner.decode_inputs import HostStaging
-from tokenmill.runner.step_inputs import PADDING_SLOT, PackedLayout, attention_metadata, one_chunk_arrays
+from tokenmill.runner.step_inputs import PADDING_SLOT, PackedLayout, attention_metadata, build_step_arrays
 from tokenmill.scheduler.output import ScheduledChunk
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class PrefillGraphRunner:
         """The hidden states of the chunk's ``L`` tokens, ``[L, hidden]`` (valid until the next run)."""
         num_tokens = padded_batch_size(chunk.num_tokens + 1, self.sizes)
         assert num_tokens is not None
-        arrays = one_chunk_arrays(chunk, self.kv, self.table_width)
+        arrays = build_step_arrays([chunk], self.kv, table_width=self.table_width)
         if self.mirror is not None:
             self.mirror.prefill_step(arrays, num_tokens)
         return self.run_arrays(arrays, num_tokens)[: chunk.num_tokens]

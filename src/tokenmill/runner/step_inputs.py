@@ -112,8 +112,25 @@ def build_step_arrays(
     """The host arrays of one step over ``chunks``: token ids and positions per token, sequence starts
     and lengths, the rows whose logits are sampled, and the KV slots and block tables (from ``kv``; none
     without a pool). The one builder of step inputs: eager steps copy these to the device as they are;
-    decode graphs ask for ``num_rows`` rows (padding rows of one harmless token each) and block tables of
-    a fixed ``table_width``, and may leave the token ids out (they come from the device)."""
+    graphs ask for ``num_rows`` rows (padding rows of one harmless token each) and block tables of a
+    fixed ``table_width``, and decode graphs may leave the token ids out (they come from the device).
+
+    A step of one chunk and no padding (batch 1, whose host work the device waits for: a verification
+    step, a decode step, a prefill chunk) takes :func:`one_chunk_arrays`, the same arrays from a handful
+    of numpy calls instead of some forty; others :func:`batch_step_arrays`."""
+    if len(chunks) == 1 and (num_rows or 1) == 1:
+        return one_chunk_arrays(chunks[0], kv, table_width, with_token_ids)
+    return batch_step_arrays(chunks, kv, num_rows, table_width, with_token_ids)
+
+
+def batch_step_arrays(
+    chunks: Sequence[ScheduledChunk],
+    kv: KVCacheManager,
+    num_rows: int | None = None,
+    table_width: int | None = None,
+    with_token_ids: bool = True,
+) -> dict[str, np.ndarray]:
+    """:func:`build_step_arrays` for any chunks and padding rows, vectorised over the chunks."""
     num_seqs = len(chunks)
     starts = np.fromiter((chunk.start for chunk in chunks), np.int64, num_seqs)
     ends = np.fromiter((chunk.end for chunk in chunks), np.int64, num_seqs)
@@ -142,27 +159,20 @@ def build_step_arrays(
 
 
 def one_chunk_arrays(
-    chunk: ScheduledChunk, kv: KVCacheManager, table_width: int | None = None
+    chunk: ScheduledChunk, kv: KVCacheManager, table_width: int | None = None, with_token_ids: bool = True
 ) -> dict[str, np.ndarray]:
-    """:func:`build_step_arrays` of a step that is one chunk (block tables ``table_width`` wide, or as wide
-    as the sequence's): the same arrays from a handful of numpy calls instead of some forty, for batch-1
-    steps, whose host work the device waits for (the one-sequence prefill graphs, batch-1 decode graphs,
-    eager steps of one sequence)."""
+    """:func:`batch_step_arrays` of a step that is one chunk with no padding rows."""
     start, end = chunk.start, chunk.end
     arrays: dict[str, np.ndarray] = {
         "positions": np.arange(start, end, dtype=np.int64),
         "seq_lens": np.array([end], np.int32),
         "query_start_loc": np.array([0, end - start], np.int32),
         "sample_rows": np.arange(end - start - chunk.num_sampled_rows, end - start, dtype=np.int64),
-        "input_ids": np.array(chunk.seq.token_ids[start:end], np.int64),
     }
+    if with_token_ids:
+        arrays["input_ids"] = np.array(chunk.seq.token_ids[start:end], np.int64)
     arrays.update(kv.paging_arrays([chunk.seq], np.array([start]), np.array([end]), table_width))
     return arrays
-
-
-def step_arrays(chunks: Sequence[ScheduledChunk], kv: KVCacheManager) -> dict[str, np.ndarray]:
-    """An eager step's host arrays: :func:`one_chunk_arrays` for one chunk, else :func:`build_step_arrays`."""
-    return one_chunk_arrays(chunks[0], kv) if len(chunks) == 1 else build_step_arrays(chunks, kv)
 
 
 def _sample_rows(chunks: Sequence[ScheduledChunk], chunk_ends: np.ndarray) -> np.ndarray:
