@@ -7,7 +7,8 @@ engines with speculation off and on (n-gram, each k given), every prompt off the
 * ``on-no-deferral`` drops the started step and verifies the guesses at once (the policy before);
 
 then, with ``--phases``, times the engine's methods in one more ``on`` run, per kind of step (verifying
-guesses or plain), and times the replay of a decode graph and of the prefill graph a verification step
+guesses or plain; with ``--fine`` also the graph runners' input building, copies and replays), and times
+the replay of a decode graph and of the prefill graph a verification step
 uses, alone on the GPU.
 
     python scripts/experiments/speculative_step_phases.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -30,7 +31,9 @@ from tokenmill.benchmarks.speculative.timing import TimedRun, merged, one_at_a_t
 from tokenmill.config import EngineConfig
 from tokenmill.engine import llm_engine
 from tokenmill.loading import LoadedModel
-from tokenmill.runner import model_runner, prefill_graphs, step_inputs
+from tokenmill.runner import cuda_graphs, decode_inputs, model_runner, prefill_graphs, step_inputs
+from tokenmill.runner.sampler import batch as sampler_batch
+from tokenmill.runner.sampler import sampler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import scheduler
 from tokenmill.speculative import guessing, verification
@@ -48,8 +51,24 @@ TIMED: list[tuple[Any, str]] = [
 ]
 
 
-def wrap_phases() -> None:
-    phase_timers.wrap(TIMED)
+FINE: list[tuple[Any, str]] = [
+    (cuda_graphs.DecodeGraphRunner, "run"),
+    (cuda_graphs.DecodeGraphRunner, "run_arrays"),
+    (cuda_graphs.DecodeGraphRunner, "start_next_step"),
+    (decode_inputs.DecodeInputs, "step_arrays"),
+    (decode_inputs.DecodeInputs, "write_arrays"),
+    (prefill_graphs.PrefillGraphRunner, "_write"),
+    (prefill_graphs.PrefillGraphRunner, "run_arrays"),
+    (torch.cuda.CUDAGraph, "replay"),
+    (sampler_batch.SamplingBatch, "build"),
+    (sampler.Sampler, "__call__"),
+    (llm_engine.LLMEngine, "_can_start_next_step"),
+    (guessing.GuessingRounds, "propose"),
+]
+
+
+def wrap_phases(fine: bool = False) -> None:
+    phase_timers.wrap(TIMED + (FINE if fine else []))
     schedule = scheduler.Scheduler.schedule
 
     def classified(self: Any) -> Any:
@@ -111,10 +130,10 @@ def compare(loaded: LoadedModel, named: dict[str, llm_engine.LLMEngine], max_tok
             )
 
 
-def phases(loaded: LoadedModel, engine: llm_engine.LLMEngine, max_tokens: int) -> None:
+def phases(loaded: LoadedModel, engine: llm_engine.LLMEngine, max_tokens: int, fine: bool = False) -> None:
     """Host timers per kind of step: verifying guesses, plain from a step started ahead, plain run at
     once; and the count of started steps dropped."""
-    wrap_phases()
+    wrap_phases(fine)
     chat = loaded.tokenizer.apply_chat_template  # type: ignore[union-attr]
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
     graphs = engine.runner.decode_graphs
@@ -254,6 +273,7 @@ def main() -> None:
     parser.add_argument("--ks", default="4,8")
     parser.add_argument("--max-tokens", type=int, default=320)
     parser.add_argument("--phases", action="store_true")
+    parser.add_argument("--fine", action="store_true", help="with --phases: the graph runners' parts too")
     parser.add_argument("--profile-dir", type=Path, help="trace graph replays into this folder")
     parser.add_argument("--dummy", action="store_true", help="random weights (--model names a preset)")
     parser.add_argument("--quantization", help="e.g. none: a GGUF model's weights as float (default: auto)")
@@ -295,7 +315,7 @@ def main() -> None:
     if device == "cuda":
         replay_times(named[first_on])
     if args.phases:
-        phases(loaded, named[first_on], args.max_tokens)
+        phases(loaded, named[first_on], args.max_tokens, args.fine)
     if args.gpu_split and device == "cuda":
         verification_gpu_split(loaded, named[first_on], args.max_tokens)
 
