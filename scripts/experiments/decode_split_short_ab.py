@@ -1,25 +1,34 @@
-"""Exploration for issue 18: batch-1 decode attention at short contexts, split or not.
+"""Exploration for issue 18 (and batch-1 decode generally): decode attention at short contexts, split or not.
 
-Llama-3.1-8B's batch-1 decode spends ~9.6 µs a layer in attention at ~200 keys (0.31 ms of a 2.8 ms int8
-token). A context of at most ``DECODE_MAX_UNSPLIT`` (256) keys is one partition: one program per KV head
-(8 on 132 SMs) walks every key tile in turn. This times the decode kernel alone (CUDA graph of one call per
-layer, 32 layers with their own pools) under the default plan of a long ``max_model_len`` and under
-plans that cut short contexts into 64-key partitions, with each variant checked against the default's
-output.
+A context of at most ``DECODE_MAX_UNSPLIT`` (256) keys is one partition: one program per KV head walks
+every key tile in turn (Llama-3.1-8B: 8 programs on 132 SMs). This times the decode kernel alone (a CUDA
+graph of one call per layer, each layer its own pools) at batch 1 for three models' head shapes, under the
+default plan of a long ``max_model_len`` and under plans that cut contexts into 64-key partitions, with
+the first tile (loaded before the kernel waits for the one ahead) as long as the plan makes it or set to
+128 keys. Each variant's output is checked against the default's.
 
-    PYTHONPATH=src python scripts/experiments/decode_split_short_ab.py
+    PYTHONPATH=src python scripts/experiments/decode_split_short_ab.py [--models llama-3.1-8b,...]
 """
+
+import argparse
+from collections.abc import Callable
 
 import torch
 
-from tokenmill.kernels.attention import DecodeSplit, paged_decode_attention
+from tokenmill.kernels.attention import DecodeSplit, decode, paged_decode_attention
 from tokenmill.kernels.attention.plan import plan_decode_split
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 32, 8, 128, 16, 32
-MAX_MODEL_LEN = 8192
+# (query heads, KV heads, head_dim, layers)
+MODELS = {
+    "llama-3.1-8b": (32, 8, 128, 32),
+    "llama-3.2-1b": (32, 8, 64, 16),
+    "smollm2-135m": (9, 3, 64, 30),
+}
+BLOCK_SIZE, MAX_MODEL_LEN = 16, 8192
+CONTEXTS = (64, 130, 208, 288, 400, 512, 768, 1024, 2048)
 
 
-def graph_micros(calls, repeats: int = 50) -> float:
+def graph_micros(calls: list[Callable[[], object]], repeats: int = 50) -> float:
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for call in calls:
@@ -40,49 +49,62 @@ def graph_micros(calls, repeats: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / (repeats * len(calls))
 
 
-def main() -> None:
-    torch.manual_seed(0)
+def variants(kv_heads: int, device: torch.device) -> dict[str, tuple[DecodeSplit, int | None]]:
+    default = plan_decode_split(1, kv_heads, MAX_MODEL_LEN, device, 64)
+    fitting = plan_decode_split(1, kv_heads, MAX_MODEL_LEN, device, 64, None)
+    return {
+        "default": (default, None),
+        "64-key, 8 splits": (DecodeSplit(8, 64, 0), None),
+        "64-key, 8 splits, first 128": (DecodeSplit(8, 64, 0), 128),
+        "64-key, 16 splits, first 128": (DecodeSplit(16, 64, 0), 128),
+        "64-key, plan's splits, first 128": (DecodeSplit(fitting.num_splits, 64, 0), 128),
+        "128-key, plan's splits, unsplit 0": (DecodeSplit(fitting.num_splits, 128, 0), None),
+    }
+
+
+def run_model(name: str) -> None:
+    heads, kv_heads, head_dim, layers = MODELS[name]
     device = torch.device("cuda")
     blocks = MAX_MODEL_LEN // BLOCK_SIZE
+    shape = (blocks, BLOCK_SIZE, kv_heads, head_dim)
+    bf16 = torch.bfloat16
     pools = [
-        (
-            torch.randn(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16),
-            torch.randn(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16),
-        )
-        for _ in range(LAYERS)
+        (torch.randn(shape, device=device, dtype=bf16), torch.randn(shape, device=device, dtype=bf16))
+        for _ in range(layers)
     ]
-    query = torch.randn(1, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    query = torch.randn(1, heads, head_dim, device=device, dtype=torch.bfloat16)
     table = torch.randperm(blocks, device=device, dtype=torch.int32)[None, :]
-    default = plan_decode_split(1, KV_HEADS, MAX_MODEL_LEN, device, 64)
-    variants = {
-        f"default {tuple(default)}": default,
-        "64-key partitions, 64 splits": DecodeSplit(64, 64, 0),
-        "64-key partitions, 16 splits": DecodeSplit(16, 64, 0),
-        "64-key partitions, 8 splits": DecodeSplit(8, 64, 0),
-        "128-key partitions, no unsplit": DecodeSplit(64, 128, 0),
-        "unsplit up to 64": DecodeSplit(64, 64, 64),
-    }
-    print(f"{torch.cuda.get_device_name()}, batch 1, {HEADS}/{KV_HEADS} heads, d {HEAD_DIM}", flush=True)
-    for context in (130, 208, 288, 512, 1024):
+    plain_prefetch = decode.prefetch_keys
+    print(f"{name}: batch 1, {heads}/{kv_heads} heads of {head_dim}, {layers} layers", flush=True)
+    for context in CONTEXTS:
         seq_lens = torch.tensor([context], device=device, dtype=torch.int32)
-        results = {}
-        for label, split in variants.items():
+        reference = None
+        line = []
+        for label, (split, first) in variants(kv_heads, device).items():
+            decode.prefetch_keys = plain_prefetch if first is None else (lambda *_, keys=first: keys)
 
-            def call(
-                layer: int, split: DecodeSplit = split, seq_lens: torch.Tensor = seq_lens
-            ) -> torch.Tensor:
+            def call(layer: int, split: DecodeSplit = split, lens: torch.Tensor = seq_lens) -> torch.Tensor:
                 key_pool, value_pool = pools[layer]
                 return paged_decode_attention(
-                    query, key_pool, value_pool, table, seq_lens, MAX_MODEL_LEN, HEAD_DIM**-0.5, split=split
+                    query, key_pool, value_pool, table, lens, MAX_MODEL_LEN, head_dim**-0.5, split=split
                 )
 
-            results[label] = call(0).float()
-            micros = graph_micros([lambda layer=layer: call(layer) for layer in range(LAYERS)])
-            diff = float((results[label] - next(iter(results.values()))).abs().max())
-            print(
-                f"  context {context:5d} {label:32s} {micros:6.2f} us a layer, max diff {diff:.1e}",
-                flush=True,
-            )
+            out = call(0).float()
+            reference = out if reference is None else reference
+            diff = float((out - reference).abs().max())
+            micros = graph_micros([lambda layer=layer: call(layer) for layer in range(layers)])
+            line.append(f"{label} {micros:.2f}" + (f" (diff {diff:.0e})" if diff > 1e-2 else ""))
+        decode.prefetch_keys = plain_prefetch
+        print(f"  {context:5d} keys: " + " | ".join(line), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", default=",".join(MODELS))
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), flush=True)
+    for name in args.models.split(","):
+        run_model(name)
 
 
 if __name__ == "__main__":
