@@ -8,8 +8,7 @@ engines with speculation off and on (n-gram, each k given), every prompt off the
 
 then, with ``--phases``, times the engine's methods in one more ``on`` run, per kind of step (verifying
 guesses or plain; with ``--fine`` also the graph runners' input building, copies and replays), and times
-the replay of a decode graph and of the prefill graph a verification step
-uses, alone on the GPU.
+the replay of a decode graph and of the prefill graph a verification step uses, alone on the GPU.
 
     python scripts/experiments/speculative_step_phases.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
         --ks 4,8 [--phases]
