@@ -12,12 +12,14 @@ float subtraction (no int-to-float conversions, which run at 16 a clock per SM o
 by the input read through the read-only cache, and the warp sums its lanes at the end. The kernel with
 the engine's prologues fused is in reports/gpu/quantized-llama-3.1-8b/cuda-gemv8/cuda-gemv8.patch.
 
-    PYTHONPATH=src python scripts/experiments/cuda_gemv8_plain.py
+    PYTHONPATH=src python scripts/experiments/cuda_gemv8_plain.py   (from scripts/experiments, or with it
+    on PYTHONPATH: it imports graph_timing.py)
 """
 
-from collections.abc import Callable
+import functools
 
 import torch
+from graph_timing import graph_micros
 from torch.utils.cpp_extension import load_inline
 
 from tokenmill.kernels import gemv as triton_gemv
@@ -148,28 +150,6 @@ def build() -> object:
     )
 
 
-def graph_micros(call: Callable[[int], object], copies: int, repeats: int = 20) -> float:
-    """Mean µs of one ``call(i)`` over a CUDA graph of ``copies`` calls (each on its own weight copy)."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            call(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            call(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (repeats * copies)
-
-
 def time_shape(ext: object, n: int, k: int) -> None:
     copies = max(2, min(32, STREAM_BYTES // (n * k)))
     weights = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(copies)]
@@ -182,19 +162,17 @@ def time_shape(ext: object, n: int, k: int) -> None:
         return float((got.double() - ref).norm() / ref.norm())
 
     triton_err = relerr(triton_gemv.gemv(x, weights[0], weight_scale=scale))
-    micros = graph_micros(lambda i: triton_gemv.gemv(x, weights[i], weight_scale=scale), copies)
+    micros = graph_micros(
+        [functools.partial(triton_gemv.gemv, x, w, weight_scale=scale) for w in weights], 20
+    )
     rate = n * k / micros / 1e3
     print(f"{n}x{k} triton (engine config) {micros:7.2f} us {rate:6.0f} GB/s err {triton_err:.1e}")
     results = []
     for rows, unroll in VARIANTS:
         ext.gemv_int8_launch(weights[0], x, scale, out, rows, unroll)  # type: ignore[attr-defined]
         err = relerr(out)
-        us = graph_micros(
-            lambda i, r=rows, u=unroll: ext.gemv_int8_launch(  # type: ignore[attr-defined]
-                weights[i], x, scale, out, r, u
-            ),
-            copies,
-        )
+        launch = ext.gemv_int8_launch  # type: ignore[attr-defined]
+        us = graph_micros([functools.partial(launch, w, x, scale, out, rows, unroll) for w in weights], 20)
         results.append((us, rows, unroll, err))
     for us, rows, unroll, err in sorted(results)[:4]:
         rate = n * k / us / 1e3

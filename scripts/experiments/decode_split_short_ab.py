@@ -7,13 +7,13 @@ default plan of a long ``max_model_len`` and under plans that cut contexts into 
 the first tile (loaded before the kernel waits for the one ahead) as long as the plan makes it or set to
 128 keys. Each variant's output is checked against the default's.
 
-    PYTHONPATH=src python scripts/experiments/decode_split_short_ab.py [--models llama-3.1-8b,...]
+    PYTHONPATH=src:scripts/experiments python scripts/experiments/decode_split_short_ab.py [--models ...]
 """
 
 import argparse
-from collections.abc import Callable
 
 import torch
+from graph_timing import graph_micros
 
 from tokenmill.kernels.attention import DecodeSplit, decode, paged_decode_attention
 from tokenmill.kernels.attention.plan import plan_decode_split
@@ -26,27 +26,6 @@ MODELS = {
 }
 BLOCK_SIZE, MAX_MODEL_LEN = 16, 8192
 CONTEXTS = (64, 130, 208, 288, 400, 512, 768, 1024, 2048)
-
-
-def graph_micros(calls: list[Callable[[], object]], repeats: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (repeats * len(calls))
 
 
 def variants(kv_heads: int, device: torch.device) -> dict[str, tuple[DecodeSplit, int | None]]:
