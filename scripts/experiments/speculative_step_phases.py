@@ -23,6 +23,7 @@ from typing import Any
 
 import phase_timers
 import torch
+from graph_timing import replay_micros
 
 from tokenmill.benchmarks import common, kernel_profile
 from tokenmill.benchmarks.speculative import prompts
@@ -218,20 +219,6 @@ def verification_gpu_split(loaded: LoadedModel, engine: llm_engine.LLMEngine, ma
         rest_ms = statistics.median(b for _, b in spans)
         print(f"verification GPU split over {len(spans)} steps (median): runner start to graph end "
               f"{graph_ms:.3f} ms, logits + argmax after it {rest_ms:.3f} ms")  # fmt: skip
-
-
-def replay_micros(graph: torch.cuda.CUDAGraph, replays: int = 200) -> float:
-    """GPU µs per replay of ``graph``, ``replays`` back to back after 10 warm-up replays."""
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / replays * 1e3
 
 
 def replay_times(engine: llm_engine.LLMEngine) -> None:
