@@ -1,7 +1,7 @@
-"""W8A8 projections whose inputs the kernel before them quantizes (``KernelOptions.input_quant``): the
-RMSNorm and gated-activation kernels that write 8-bit rows and their scales give exactly what the plain
-kernel followed by ``quantize_rows`` gives, and near the PyTorch layers' output quantized naively; on a
-GPU, the fused layers and a whole int8 / fp8 engine give the same results with the fusion on and off.
+"""W8A8 projections whose inputs the RMSNorm before them quantizes (``KernelOptions.input_quant``): the
+norm kernel that writes 8-bit rows and their scales gives exactly what the plain norm kernel followed by
+``quantize_rows`` gives, and near the PyTorch layer's output quantized naively; on a GPU, a whole int8 /
+fp8 engine gives the same results with the fusion on and off.
 
 Without CUDA the kernels run in the Triton interpreter, which converts float32 to float8 wrongly (see
 ``tests/test_quant_kernels.py``): the float8 rows are checked on CUDA only.
@@ -23,10 +23,8 @@ from tokenmill.kernels import interpreter_enabled, triton_available
 if not triton_available():
     pytest.skip("triton cannot run here (no CUDA, TRITON_INTERPRET unset)", allow_module_level=True)
 
-from tokenmill.kernels.activation import gated_quantized, gelu_tanh_and_mul, silu_and_mul
 from tokenmill.kernels.quantize_rows import quantize_rows, quantize_rows_reference
 from tokenmill.kernels.rmsnorm import add_rms_norm, rms_norm, rms_norm_quantized
-from tokenmill.models.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.models.layers.norm import RMSNorm
 
 ON_CUDA = torch.cuda.is_available() and not interpreter_enabled()
@@ -87,27 +85,10 @@ def test_norm_writes_the_rows_the_norm_and_quantize_rows_write(
         _near_naive((q, scale), layer(x, residual)[0].float(), dtype)
 
 
-@pytest.mark.parametrize("dtype", Q_DTYPES)
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("shape", [(1, 2 * 48), (5, 2 * 1000), (2, 2 * 3000)])
-def test_gated_activation_writes_the_rows_it_and_quantize_rows_write(
-    dtype: torch.dtype, activation: str, shape: tuple[int, int]
-) -> None:
-    torch.manual_seed(1)
-    x = torch.randn(shape, device=DEVICE, dtype=DTYPE) * 2
-    plain = (silu_and_mul if activation == "silu" else gelu_tanh_and_mul)(x)
-    q = gated_quantized(x, activation, dtype)
-    _assert_same_rows(q, quantize_rows(plain, dtype))
-    layer = SiluAndMul() if activation == "silu" else GeluTanhAndMul()
-    _near_naive(q, layer(x).float(), dtype)
-
-
 def test_quantized_inputs_refuse_other_formats() -> None:
     x = torch.randn(2, 64, device=DEVICE, dtype=DTYPE)
     with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
         rms_norm_quantized(x, torch.ones(64, device=DEVICE, dtype=DTYPE), 1e-6, torch.float16)
-    with pytest.raises(ValueError, match="unknown gated activation 'relu'"):
-        gated_quantized(x, "relu", torch.int8)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="W8A8 projections run on the CUDA tensor cores only")
@@ -116,16 +97,16 @@ def test_quantized_inputs_refuse_other_formats() -> None:
 def test_engines_with_and_without_quantized_inputs_agree(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quantization: str, model: str
 ) -> None:
-    """A batch of greedy requests through a tiny int8 / fp8 model: with the norm and activation kernels
-    quantizing the projections' inputs (seen doing so in the prefill steps; a tiny model's decode steps of
-    up to 32 rows take the GEMV instead), the same tokens and logprobs as without."""
+    """A batch of greedy requests through a tiny int8 / fp8 model: with the norm kernels quantizing the
+    projections' inputs (seen doing so in the prefill steps; a tiny model's decode steps of up to 32 rows
+    take the GEMV instead), the same tokens and logprobs as without."""
     from engine_helpers import engine_for, run_to_completion
     from tiny_models import save_tiny_model
     from tokenmill import SamplingParams
-    from tokenmill.kernels import activation, rmsnorm
+    from tokenmill.kernels import rmsnorm
     from tokenmill.loading import load_model
 
-    calls = {"norm": 0, "activation": 0}
+    calls = {"norm": 0}
 
     def counted(name: str, kernel: Callable[..., object]) -> Callable[..., object]:
         def wrapper(*args: object, **kwargs: object) -> object:
@@ -135,7 +116,6 @@ def test_engines_with_and_without_quantized_inputs_agree(
         return wrapper
 
     monkeypatch.setattr(rmsnorm, "rms_norm_quantized", counted("norm", rmsnorm.rms_norm_quantized))
-    monkeypatch.setattr(activation, "gated_quantized", counted("activation", activation.gated_quantized))
     save_tiny_model(model, tmp_path)
     loaded = load_model(tmp_path, device="cuda", dtype="bfloat16", quantization=quantization)
     greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
@@ -145,7 +125,7 @@ def test_engines_with_and_without_quantized_inputs_agree(
         engine = engine_for(loaded, device="cuda", fused_input_quant=on, num_kv_blocks=64, max_model_len=128)
         assert engine.runner.model.kernel_options.input_quant == on
         outputs.append(run_to_completion(engine, requests))
-    assert calls["norm"] > 0 and calls["activation"] > 0
+    assert calls["norm"] > 0
     for request_id in requests:
         plain, fused = (out[request_id].outputs[0] for out in outputs)
         assert fused.token_ids == plain.token_ids, request_id

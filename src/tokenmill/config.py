@@ -162,9 +162,8 @@ class KernelConfig:
     # per token in one launch) on the 8-bit tensor cores (torch._scaled_mm / torch._int_mm); off, the
     # weight is dequantized for F.linear (slow, but weight-only). One-row projections take fused_gemv.
     fused_w8a8: bool | None = None
-    # With fused_w8a8: the Triton RMSNorm before q/k/v and gate/up and the gated activation before down write
-    # those projections' inputs already quantized per token (one launch instead of the norm's and the
-    # quantization's; the same values).
+    # With fused_w8a8: the Triton RMSNorm before q/k/v and gate/up writes those projections' inputs already
+    # quantized per token (one launch instead of the norm's and the quantization's; the same values).
     fused_input_quant: bool | None = None
     # Triton attention: decode steps rotate q and the new key and store the new K/V inside the decode
     # attention kernel (no rotary and KV-write launches per layer); prefill keeps the separate kernels.

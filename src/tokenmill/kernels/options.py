@@ -39,8 +39,8 @@ class KernelOptions:
     # 8-bit weights' projections of more rows on the 8-bit tensor cores, the activations quantized per
     # token (tokenmill.kernels.scaled_matmul); off, they run dequantized (a reference, not a fast path).
     w8a8: bool = False
-    # With w8a8: the RMSNorm or gated activation before such a projection writes its input already quantized
-    # per token (kernels/rmsnorm.rms_norm_quantized, kernels/activation.gated_quantized), one launch, not two.
+    # With w8a8: the RMSNorm before such a projection (q/k/v, gate/up) writes its input already quantized per
+    # token (kernels/rmsnorm.rms_norm_quantized): one launch, not two.
     input_quant: bool = False
     # Launch the kernels above (and the attention backend's) programmatically dependent: each starts while
     # the one before it finishes and waits only where it reads its results (tokenmill.kernels.launch).

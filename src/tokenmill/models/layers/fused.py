@@ -4,8 +4,7 @@ At decode sizes a decoder block is a chain of small launches; the GEMV (``Kernel
 RMSNorm before q/k/v and gate/up (:class:`PreNormLinear`), and the gated activation before the down
 projection (:class:`GatedActivationLinear`), reading its input once. Other inputs run the two layers one
 after the other, each on the path it was bound to; for an 8-bit projection that quantizes its input per
-token (W8A8) the norm or activation kernel writes that input already quantized
-(``KernelOptions.input_quant``).
+token (W8A8) the norm kernel writes that input already quantized (``KernelOptions.input_quant``).
 
 The two layers stay registered where the checkpoint names them (``input_layernorm``,
 ``self_attn.qkv_proj``); these layers only refer to them, and hold no weights of their own.
@@ -137,14 +136,7 @@ class GatedActivationLinear(FusableLayer):
 
     def configure(self, options: KernelOptions) -> None:
         self.pdl = options.pdl  # launch the GEMV programmatically dependent (tokenmill.kernels.launch)
-        self._rows: Callable[[torch.Tensor], torch.Tensor] = self.forward_unfused
-        self._quantized_input = quantized_input(self._layers[1], options) if options.activation else None
-        if self._quantized_input is not None:
-            from tokenmill.kernels.activation import gated_quantized
-
-            self._gated_quantized_kernel = gated_quantized
-            self._rows = self.forward_quantized_input
-        self._forward: Callable[[torch.Tensor], torch.Tensor] = self._rows
+        self._forward: Callable[[torch.Tensor], torch.Tensor] = self.forward_unfused
         if options.gemv:
             from tokenmill.kernels.gemv import gated_gemv
 
@@ -171,7 +163,7 @@ class GatedActivationLinear(FusableLayer):
         """One launch for rows the GEMV takes: the activation is applied as the input is read."""
         act, linear = self._layers
         if not gemv_fits(gate_up, linear, prologue=True):
-            return self._rows(gate_up)
+            return self.forward_unfused(gate_up)
         out = self._gated_gemv_kernel(
             gate_up,
             linear.weight,
@@ -181,15 +173,6 @@ class GatedActivationLinear(FusableLayer):
             weight_scale=linear.gemv_weight_scale(),
         )
         return linear.reduce(out)
-
-    def forward_quantized_input(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The activation's kernel writes the W8A8 projection's input quantized per token."""
-        act, linear = self._layers
-        path = self._quantized_input
-        if not takes_quantized_input(gate_up, linear) or path is None:
-            return self.forward_unfused(gate_up)
-        x_q, x_scale = self._gated_quantized_kernel(gate_up, act.kind, path.dtype, self.pdl)
-        return linear.reduce(path.multiply(x_q, x_scale, gate_up.dtype))
 
     def forward_gguf_packed(self, gate_up: torch.Tensor) -> torch.Tensor:
         """One C call for a GGUF-packed projection: the activation forms its input rows."""
