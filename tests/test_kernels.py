@@ -893,7 +893,7 @@ def test_kernel_options_auto_is_off_on_cpu_and_explicit_on_needs_triton(
     if interpreter_enabled():
         assert KernelOptions.resolve("cpu", rotary=True).enabled == ("rotary",)
     if ON_CUDA:
-        auto_on = (*KERNEL_TOGGLES, "gemv_rows", "w8a8", "input_quant")  # (the last two: 8-bit weights only)
+        auto_on = (*KERNEL_TOGGLES, "gemv_rows", "w8a8")  # (w8a8 applies to quantized weights only)
         assert KernelOptions.resolve("cuda").enabled == auto_on
         assert KernelOptions.resolve("cuda", activation=False).enabled == tuple(
             name for name in auto_on if name != "activation"
@@ -922,7 +922,7 @@ def test_engine_with_every_fused_toggle_matches_the_reference_loop(tiny_llama_fo
         loaded, device=device, attention_backend="triton", block_size=4, num_kv_blocks=64, max_model_len=64,
         fused_rms_norm=True, fused_rotary=True, fused_activation=True, fused_gemv=True, fused_gemv_rows=True,
         fused_decode_rotary_kv=True, fused_prefill_rotary_kv=True, split_prefill_attention=True,
-        fused_sampling=True, fused_w8a8=False, fused_input_quant=False,  # (8-bit weights only; GPU auto-on)
+        fused_sampling=True, fused_w8a8=False,  # (w8a8: quantized weights only; auto-on on a GPU)
     )  # fmt: skip
     assert engine.runner.model.kernel_options.enabled == (*KERNEL_TOGGLES, "gemv_rows")
     assert not loaded.model.kernel_options.enabled, "the engine configures a copy, not the loaded model"

@@ -28,7 +28,6 @@ FUSED_KERNEL_TOGGLES: tuple[str, ...] = (
     "fused_gemv",
     "fused_gemv_rows",
     "fused_w8a8",
-    "fused_input_quant",
     "fused_decode_rotary_kv",
     "fused_prefill_rotary_kv",
     "split_prefill_attention",
@@ -162,9 +161,6 @@ class KernelConfig:
     # per token in one launch) on the 8-bit tensor cores (torch._scaled_mm / torch._int_mm); off, the
     # weight is dequantized for F.linear (slow, but weight-only). One-row projections take fused_gemv.
     fused_w8a8: bool | None = None
-    # With fused_w8a8: the Triton RMSNorm before q/k/v and gate/up writes those projections' inputs already
-    # quantized per token (one launch instead of the norm's and the quantization's; the same values).
-    fused_input_quant: bool | None = None
     # Triton attention: decode steps rotate q and the new key and store the new K/V inside the decode
     # attention kernel (no rotary and KV-write launches per layer); prefill keeps the separate kernels.
     fused_decode_rotary_kv: bool | None = None

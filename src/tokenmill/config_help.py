@@ -92,8 +92,6 @@ OPTION_HELP: dict[str, str] = {
     "+ Triton",
     "fused_w8a8": "int8 / fp8 weights: projections of more than one row take 8-bit activations (per-token "
     "scales) on the 8-bit tensor cores; unset: on with CUDA + Triton",
-    "fused_input_quant": "int8 / fp8 weights with fused_w8a8: the Triton RMSNorm before q/k/v and gate/up "
-    "writes their inputs already quantized per token (one launch, not two); unset: on with CUDA + Triton",
     "fused_decode_rotary_kv": "Triton attention: decode steps rotate q and k and store the new K/V inside "
     "the decode kernel; unset: on with CUDA + Triton",
     "fused_prefill_rotary_kv": "Triton attention: prefill and verification steps rotate q and k and store "

@@ -235,5 +235,4 @@ def kernel_options_for(config: EngineConfig, device: torch.device) -> KernelOpti
         gguf_decode_blocks=packed_gguf and kernels.gguf_decode_blocks,
         w8a8=kernels.fused_w8a8,
         gemv_rows=kernels.fused_gemv_rows,
-        input_quant=kernels.fused_input_quant,
     )

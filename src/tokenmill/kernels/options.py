@@ -39,9 +39,6 @@ class KernelOptions:
     # 8-bit weights' projections of more rows on the 8-bit tensor cores, the activations quantized per
     # token (tokenmill.kernels.scaled_matmul); off, they run dequantized (a reference, not a fast path).
     w8a8: bool = False
-    # With w8a8: the RMSNorm before such a projection (q/k/v, gate/up) writes its input already quantized per
-    # token (kernels/rmsnorm.rms_norm_quantized): one launch, not two.
-    input_quant: bool = False
     # Launch the kernels above (and the attention backend's) programmatically dependent: each starts while
     # the one before it finishes and waits only where it reads its results (tokenmill.kernels.launch).
     pdl: bool = False
@@ -72,7 +69,6 @@ class KernelOptions:
         gguf_activations: GGUFActivations = "float32",
         gguf_decode_blocks: bool = False,
         gemv_rows: bool | None = None,
-        input_quant: bool | None = None,
     ) -> "KernelOptions":
         """Options for a model on ``device``; see the module docstring for None / True / False.
         ``prepacked_cpu_linear`` and the ``gguf_*`` options need no resolving: layers whose weights or CPU
@@ -84,7 +80,6 @@ class KernelOptions:
             gemv=resolve_kernel_toggle("gemv", gemv, device),
             gemv_rows=resolve_kernel_toggle("gemv_rows", gemv_rows, device),
             w8a8=resolve_kernel_toggle("w8a8", w8a8, device),
-            input_quant=resolve_kernel_toggle("input_quant", input_quant, device),
             pdl=resolve_pdl(pdl, device),
             prepacked_cpu_linear=prepacked_cpu_linear,
             gguf_packed=gguf_packed,

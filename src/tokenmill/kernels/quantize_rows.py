@@ -22,22 +22,6 @@ _BLOCK = 2048
 
 
 @triton.jit
-def quantized(y: tl.tensor, scale: tl.tensor, q_max: float, to_int: tl.constexpr) -> tl.tensor:
-    """Float32 values ``y`` over their row's ``scale`` (broadcast), rounded as this module rounds, clamped
-    to the format's range (still float32: the caller casts when it stores)."""
-    y = y / scale
-    if to_int:
-        y = tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5))
-    return tl.minimum(tl.maximum(y, -q_max), q_max)
-
-
-@triton.jit
-def row_scale(amax: tl.tensor, q_max: float) -> tl.tensor:
-    """A row's scale from its absolute maximum (an all-zero row gets ``_MIN_SCALE``, not a zero)."""
-    return tl.maximum(amax / q_max, 1e-12)
-
-
-@triton.jit
 def _quantize_rows_kernel(
     x_ptr: tl.tensor,
     q_ptr: tl.tensor,
@@ -55,33 +39,28 @@ def _quantize_rows_kernel(
         offsets = start + tl.arange(0, block)
         x = tl.load(x_row + offsets, mask=offsets < cols, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = row_scale(tl.max(amax, axis=0), q_max)
+    scale = tl.maximum(tl.max(amax, axis=0) / q_max, 1e-12)
     tl.store(scale_ptr + row, scale)
     for start in range(0, cols, block):
         offsets = start + tl.arange(0, block)
         ok = offsets < cols
-        y = quantized(tl.load(x_row + offsets, mask=ok, other=0.0).to(tl.float32), scale, q_max, to_int)
+        y = tl.load(x_row + offsets, mask=ok, other=0.0).to(tl.float32) / scale
+        if to_int:
+            y = tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5))
+        y = tl.minimum(tl.maximum(y, -q_max), q_max)
         tl.store(q_ptr + row * cols + offsets, y.to(q_ptr.dtype.element_ty), mask=ok)
-
-
-def quantized_rows_buffers(
-    rows: int, cols: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``[rows, cols]`` rows of ``dtype`` (int8 or float8_e4m3fn) and their float32 scales
-    ``[rows, 1]``, for a kernel that writes quantized rows."""
-    if dtype not in Q_MAX:
-        raise ValueError(f"quantized rows are int8 or float8_e4m3fn, not {dtype}")
-    q = torch.empty(rows, cols, dtype=dtype, device=device)
-    return q, torch.empty(rows, 1, dtype=torch.float32, device=device)
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[M, K]`` as ``dtype`` (int8 or float8_e4m3fn) ``[M, K]`` and float32 scales ``[M, 1]``."""
+    if dtype not in Q_MAX:
+        raise ValueError(f"quantize_rows makes int8 or float8_e4m3fn rows, not {dtype}")
     if x.dim() != 2:
         raise ValueError(f"quantize_rows takes [M, K] rows, got {list(x.shape)}")
     require_unit_last_stride("x", x)
     rows, cols = x.shape
-    q, scales = quantized_rows_buffers(rows, cols, dtype, x.device)
+    q = torch.empty(rows, cols, dtype=dtype, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
         block = min(_BLOCK, next_power_of_2(cols))
         _quantize_rows_kernel[(rows,)](

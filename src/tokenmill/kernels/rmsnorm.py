@@ -3,10 +3,6 @@
 Llama style: ``w * (x / rms(x)).to(dtype)``. Gemma style (``unit_offset``): ``(x / rms(x) * (1 + w))``
 in float32, then cast. The sum of squares is accumulated in float32 either way.
 
-``rms_norm_quantized`` writes the normalized rows as 8-bit rows with a scale each instead (the per-token
-quantization of an 8-bit projection's input, :mod:`tokenmill.kernels.quantize_rows`, in the same launch):
-exactly what the norm followed by ``quantize_rows`` gives.
-
 ``head_rms_norm_`` normalizes each query and key head of a fused ``[T, q | k | v]`` projection in place
 (Qwen3's and Gemma 3's per-head norms): one launch for both, reading the heads where the projection
 wrote them, where a norm per tensor would first copy the strided ``q`` and ``k`` out of it.
@@ -18,7 +14,6 @@ import triton.language as tl
 
 from tokenmill.kernels._common import next_power_of_2, require_unit_last_stride
 from tokenmill.kernels.launch import launch_options, wait_for_previous_kernel
-from tokenmill.kernels.quantize_rows import Q_MAX, quantized, quantized_rows_buffers, row_scale
 
 MAX_ROWS_PER_PROGRAM = 16
 ELEMENTS_PER_PROGRAM = 2048  # narrow rows (per-head norms) are batched up to about this many elements
@@ -30,22 +25,17 @@ def _rms_norm_kernel(
     residual_ptr: tl.tensor,
     weight_ptr: tl.tensor,
     out_ptr: tl.tensor,
-    scale_ptr: tl.tensor,
     num_rows: int,
     hidden: int,
     x_row_stride: int,
     residual_row_stride: int,
     out_row_stride: int,
     eps: float,
-    q_max: float,
     has_residual: tl.constexpr,
     unit_offset: tl.constexpr,
     rows_per_program: tl.constexpr,
     block: tl.constexpr,
     pdl: tl.constexpr,
-    quantize: tl.constexpr,  # out_ptr takes 8-bit rows and scale_ptr their scales
-    round_to_input: tl.constexpr,  # the unquantized output has x's dtype: quantize it rounded so
-    to_int: tl.constexpr,
 ) -> None:
     wait_for_previous_kernel(pdl)
     rows = (tl.program_id(0) * rows_per_program + tl.arange(0, rows_per_program)).to(tl.int64)
@@ -66,12 +56,6 @@ def _rms_norm_kernel(
         y = normed * (1.0 + weight[None, :])
     else:
         y = normed.to(x.dtype).to(tl.float32) * weight[None, :]
-    if quantize:
-        if round_to_input:
-            y = y.to(x.dtype).to(tl.float32)
-        scale = row_scale(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1), q_max)
-        tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
-        y = quantized(y, scale[:, None], q_max, to_int)
     tl.store(
         out_ptr + rows[:, None] * out_row_stride + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask
     )
@@ -110,29 +94,6 @@ def add_rms_norm(
     return out.view(x.shape), residual
 
 
-def rms_norm_quantized(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    dtype: torch.dtype,
-    residual: torch.Tensor | None = None,
-    unit_offset: bool = False,
-    pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """:func:`rms_norm` (or :func:`add_rms_norm`, ``residual`` updated in place) of ``[M, K]`` rows, as
-    ``dtype`` (int8 or float8_e4m3fn) rows and float32 scales ``[M, 1]``; and the residual."""
-    rows = _as_rows(x)
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual {residual.dtype}{list(residual.shape)} != x {x.dtype}{list(x.shape)}")
-    residual_rows = residual.view(-1, residual.shape[-1]) if residual is not None else None
-    if residual_rows is not None:
-        require_unit_last_stride("residual", residual_rows)
-    q, scales = quantized_rows_buffers(rows.shape[0], rows.shape[1], dtype, x.device)
-    round_to_input = _out_dtype(x, weight, unit_offset) == x.dtype
-    _launch(rows, residual_rows, weight, q, eps, unit_offset, pdl, scales, round_to_input)
-    return q, scales, residual
-
-
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
@@ -158,10 +119,7 @@ def _launch(
     eps: float,
     unit_offset: bool,
     pdl: bool,
-    scales: torch.Tensor | None = None,
-    round_to_input: bool = False,
 ) -> None:
-    """Normalize ``rows`` into ``out``; with ``scales``, ``out`` is 8-bit and takes quantized rows."""
     num_rows, hidden = rows.shape
     if weight.shape != (hidden,):
         raise ValueError(f"weight shape {list(weight.shape)} does not match hidden size {hidden}")
@@ -174,22 +132,17 @@ def _launch(
         residual if residual is not None else rows,
         weight.contiguous(),
         out,
-        scales if scales is not None else out,
         num_rows,
         hidden,
         rows.stride(0),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
         eps,
-        Q_MAX.get(out.dtype, 0.0),
         has_residual=residual is not None,
         unit_offset=unit_offset,
         rows_per_program=rows_per_program,
         block=block,
         pdl=pdl,
-        quantize=scales is not None,
-        round_to_input=round_to_input,
-        to_int=out.dtype == torch.int8,
         num_warps=num_warps,
         **launch_options(pdl),
     )

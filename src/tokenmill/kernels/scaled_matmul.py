@@ -30,24 +30,18 @@ def fp8_linear(
     ``[..., K]`` in bfloat16 or float16, quantized per row on the way in. Output in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
     x_q, x_scale = quantize_rows(rows, torch.float8_e4m3fn)
-    out = fp8_linear_quantized(x_q, x_scale, weight, weight_scale, bias, x.dtype)
+    if w8a8_gemm_fits(rows.shape[0], weight):  # a decode batch: tokenmill's GEMM streams the weight faster
+        out = w8a8_gemm(x_q, weight, x_scale, weight_scale, bias, x.dtype)
+    else:
+        out = torch._scaled_mm(
+            x_q,
+            weight.t(),
+            scale_a=x_scale,
+            scale_b=weight_scale.view(1, -1),
+            bias=bias,
+            out_dtype=x.dtype,
+        )
     return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def fp8_linear_quantized(
-    x_q: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """:func:`fp8_linear` of rows already quantized: e4m3 ``x_q`` ``[M, K]``, ``x_scale`` ``[M, 1]``."""
-    if w8a8_gemm_fits(x_q.shape[0], weight):  # a decode batch: tokenmill's GEMM streams the weight faster
-        return w8a8_gemm(x_q, weight, x_scale, weight_scale, bias, out_dtype)
-    return torch._scaled_mm(
-        x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias, out_dtype=out_dtype
-    )
 
 
 def int8_linear(
@@ -56,27 +50,15 @@ def int8_linear(
     """``x W^T + b`` for an int8 ``weight`` ``[N, K]`` with float32 ``weight_scale`` ``[N]``, ``x``
     quantized to int8 per row; output in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
     x_q, x_scale = quantize_rows(rows, torch.int8)
-    out = int8_linear_quantized(x_q, x_scale, weight, weight_scale, bias, x.dtype)
-    return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def int8_linear_quantized(
-    x_q: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """:func:`int8_linear` of rows already quantized: int8 ``x_q`` ``[M, K]``, ``x_scale`` ``[M, 1]``."""
-    num_rows = x_q.shape[0]
     if w8a8_gemm_fits(num_rows, weight):  # a decode batch, as in fp8_linear
-        return w8a8_gemm(x_q, weight, x_scale, weight_scale, bias, out_dtype)
+        return w8a8_gemm(x_q, weight, x_scale, weight_scale, bias, x.dtype).view(*x.shape[:-1], -1)
     if num_rows < _INT_MM_MIN_ROWS:
         x_q = torch.nn.functional.pad(x_q, (0, 0, 0, _INT_MM_MIN_ROWS - num_rows))
     sums = torch._int_mm(x_q, weight.t())[:num_rows]
-    return int8_epilogue(sums, x_scale, weight_scale, bias, out_dtype)
+    out = int8_epilogue(sums, x_scale, weight_scale, bias, x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @triton.jit

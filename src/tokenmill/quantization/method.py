@@ -10,7 +10,7 @@ existed; only quantized methods supply a path of their own.
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,16 +20,6 @@ from tokenmill.kernels.options import KernelOptions
 from tokenmill.quantization.shards import RowShard, layout_of
 
 MatmulPath = Callable[[torch.Tensor], torch.Tensor]
-
-
-class QuantizedInputPath(NamedTuple):
-    """A W8A8 layer's product of inputs already quantized per row (by the norm or activation kernel before
-    it): ``multiply(x_q [M, K] of dtype, x_scale [M, 1], out_dtype) -> [M, N]``."""
-
-    dtype: torch.dtype
-    multiply: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
-
-
 WeightLoader = Callable[..., None]
 # Rows quantized (or drawn at random) at once: bounds the float32 temporaries of quantizing a large tensor
 # (an 8B model's LM head is 128256 rows) to 64 MiB at 4096 columns. A multiple of the 128-row blocks.
@@ -78,13 +68,6 @@ class LinearMethod(ABC):
     @abstractmethod
     def matmul_path(self, layer: ProjectionLayer, options: KernelOptions) -> MatmulPath:
         """The function ``x -> x W^T + b`` that ``configure(options)`` binds for a quantized layer."""
-
-    def quantized_input_path(
-        self, layer: ProjectionLayer, options: KernelOptions
-    ) -> QuantizedInputPath | None:
-        """Where ``matmul_path`` quantizes its input per row first (W8A8), the product that takes it already
-        quantized; None for a layer that multiplies its input as it comes."""
-        return None
 
     @abstractmethod
     def dequantized_weight(self, layer: ProjectionLayer, dtype: torch.dtype) -> torch.Tensor:

@@ -31,7 +31,6 @@ from tokenmill.quantization.method import (
     LinearMethod,
     MatmulPath,
     ProjectionLayer,
-    QuantizedInputPath,
     WeightLoader,
     add_parameter,
     random_row_chunks,
@@ -167,25 +166,6 @@ class PerChannelLinearMethod(LinearMethod):
             )
             return partial(w8a8_linear, self, layer, kernel)
         return partial(dequantized_linear, self, layer)
-
-    def quantized_input_path(
-        self, layer: ProjectionLayer, options: KernelOptions
-    ) -> QuantizedInputPath | None:
-        if self.dynamic_activations or not (options.w8a8 and tensor_cores_take(layer.weight)):
-            return None
-        from tokenmill.kernels import scaled_matmul
-
-        multiply = (
-            scaled_matmul.int8_linear_quantized
-            if self.weight_dtype == torch.int8
-            else scaled_matmul.fp8_linear_quantized
-        )
-
-        def product(x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-            weight_scale = layer.weight_scale  # type: ignore[attr-defined]
-            return multiply(x_q, x_scale, layer.weight, weight_scale, layer.local_bias(), out_dtype)
-
-        return QuantizedInputPath(self.weight_dtype, product)
 
     def fake_w8a8_linear(self, layer: ProjectionLayer, x: torch.Tensor) -> torch.Tensor:
         """W8A8 emulated: the input rounded per token to the weight's format, then the reference."""
