@@ -3,7 +3,7 @@ weight rounded per output row as ``quantization="int8"`` rounds it, except one k
 one layer, kept in float32; scored on the teacher-forced text of `tokenmill bench accuracy` against the
 float model.
 
-    python scripts/experiments/quantization_sensitivity.py   (from scripts/experiments, or with it on PYTHONPATH)
+    PYTHONPATH=src:scripts/experiments python scripts/experiments/quantization_sensitivity.py
 """
 
 from collections.abc import Callable
