@@ -14,27 +14,19 @@ touched), ``cle`` s_j = sqrt(r1_j / r2_j) for every pair (r1: the range of chann
 weight's magnitude or the row's absolute max; r2: column j's absolute max in the consumer), and
 ``cle-proj`` the same for the projection pairs only.
 
-    python scripts/experiments/quantization_equalization.py gemma3-270m 4096 [int8|fp8]
+    PYTHONPATH=src:scripts/experiments \
+        python scripts/experiments/quantization_equalization.py gemma3-270m 4096 [int8|fp8]
 """
 
 import sys
 import time
 
 import torch
+from quantization_granularity import rounded_in_groups
 
 from tokenmill.benchmarks.accuracy.measure import score_text
 from tokenmill.benchmarks.accuracy.text import evaluation_text
 from tokenmill.loading import load_model
-from tokenmill.quantization.rounding import FP8_DTYPE
-
-
-def rounded_per_row(weight: torch.Tensor, kind: str) -> torch.Tensor:
-    amax = weight.abs().amax(1, keepdim=True).clamp(min=1e-12)
-    if kind == "int8":
-        scale = amax / 127
-        return (weight / scale).round().clamp(-127, 127) * scale
-    scale = amax / 448
-    return (weight / scale).to(FP8_DTYPE).float() * scale
 
 
 def balance(producer_range: torch.Tensor, consumer: torch.Tensor) -> torch.Tensor:
@@ -118,7 +110,7 @@ def main(model_name: str, num_tokens: int, kind: str = "int8") -> None:
             )
         for name, parameter in loaded.model.named_parameters():
             if parameter.dim() == 2 and "embed" not in name:
-                parameter.data.copy_(rounded_per_row(parameter.data, kind))
+                parameter.data.copy_(rounded_in_groups(parameter.data, parameter.shape[1], kind))
         started = time.time()
         scored = score_text(loaded.model, tokens, 1024)
         change = scored.perplexity / base.perplexity - 1

@@ -9,7 +9,7 @@ float model.
 from collections.abc import Callable
 
 import torch
-from quantization_equalization import rounded_per_row
+from quantization_granularity import rounded_in_groups
 
 from tokenmill.benchmarks.accuracy.measure import score_text
 from tokenmill.benchmarks.accuracy.text import evaluation_text
@@ -31,7 +31,8 @@ def main() -> None:
     def run(label: str, keep: Callable[[str], bool]) -> None:
         for name, parameter in loaded.model.named_parameters():
             if name in originals:
-                kept = originals[name] if keep(name) else rounded_per_row(originals[name], "int8")
+                weight = originals[name]
+                kept = weight if keep(name) else rounded_in_groups(weight, weight.shape[1], "int8")
                 parameter.data.copy_(kept)
         scored = score_text(loaded.model, tokens, 1024)
         change = scored.perplexity / base.perplexity - 1
