@@ -28,6 +28,8 @@ SLOW_TESTS = frozenset(
         "test_cli.py::test_a_tokenizer_larger_than_the_vocabulary_is_refused",
         "test_cpu_linear.py::test_prepacked_model_matches_transformers",
         "test_cuda_graphs.py::test_decode_through_static_buffers_matches_the_reference_loop",
+        "test_gptq.py::test_quantized_checkpoint_loads_as_published_and_equals_its_weights",
+        "test_gptq.py::test_quantize_refuses_what_it_cannot_write",
         "test_cuda_graphs.py::test_overlapped_decode_survives_arrivals_aborts_and_preemption",
         "test_cuda_graphs.py::test_triton_decode_with_a_fixed_split_bound_matches_the_reference_loop",
         "test_engine.py::test_every_ladder_config_matches_the_reference_greedy_loop",

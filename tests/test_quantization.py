@@ -158,7 +158,8 @@ def test_block_scales_must_not_straddle_fused_shards(folders: dict[str, Path], t
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
         ({"quant_method": "fp8", "activation_scheme": "static"}, "per-tensor"),
         ({**published_config("fp8_block"), "activation_scheme": "static"}, "static"),
-        ({**published_config("int8_ct"), "format": "float-quantized"}, "float-quantized"),
+        ({**published_config("int8_ct"), "format": "pack-quantized"}, "pack-quantized"),
+        ({**published_config("int8_ct"), "format": "float-quantized"}, "compressed-tensors weights"),
         ({**published_config("int8_ct"), "ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "ignore"),
     ],
 )

@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: ``generate``, ``chat``, ``serve`` and ``bench``.
+"""The ``tokenmill`` command: ``generate``, ``chat``, ``serve``, ``bench`` and ``quantize``.
 
 Every flag is parsed and checked before torch, transformers or a model is loaded, so ``--help`` and a typo
 answer at once: this module imports neither; the commands (``cli_commands``, the benchmarks' modules)
@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from tokenmill.benchmarks.arguments import BENCHMARK_ARGUMENTS
 from tokenmill.cli_checks import check_before_loading, parse_token_ids
+from tokenmill.cli_quantize import add_quantize_arguments, run_quantize
 from tokenmill.config import EngineConfig
 from tokenmill.config_flags import add_engine_config_arguments, engine_options_from
 from tokenmill.errors import TokenmillError
@@ -225,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     server = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, ...)")
     add_server_arguments(server)
     add_engine_arguments(server)
+    quantize = commands.add_parser(
+        "quantize", help="write a float checkpoint as a pre-quantized int8 / fp8 one (GPTQ rounding)"
+    )
+    add_quantize_arguments(quantize)
     bench = commands.add_parser("bench", help="benchmarks (tokenmill bench NAME --help)")
     names = bench.add_subparsers(dest="benchmark", required=True)
     for name, (_, summary) in BENCHMARKS.items():
@@ -276,6 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return run_benchmark(args.benchmark, bench_args)
+        if args.command == "quantize":
+            return run_quantize(args)
         return run_command(args)
     except (TokenmillError, ValueError) as exc:
         print(f"tokenmill: error: {exc}", file=sys.stderr)

@@ -289,7 +289,7 @@ def _our_tensor_for(
     """tokenmill's tensor (or fused slice) holding HF's ``hf_name``, and whether loading transposes it."""
     renamed, converted = ours.checkpoint_tensor(hf_name, hf_tensor)
     transposed = hf_tensor.dim() == 2 and converted.stride() == hf_tensor.t().stride() != hf_tensor.stride()
-    target, shard_id = ours._target_of(renamed)
+    target, shard_id = ours.checkpoint_target(renamed)
     if target not in our_params:
         raise PeerUnavailableError(f"HF parameter '{hf_name}' has no counterpart in {type(ours).__name__}")
     param = our_params[target].detach()

@@ -95,7 +95,7 @@ class CausalLM(nn.Module, ABC):
                 continue
             if self._ignored(name):
                 continue
-            target, shard_id = self._target_of(name)
+            target, shard_id = self.checkpoint_target(name)
             if target not in params:
                 raise WeightLoadingError(f"tensor '{raw_name}' has no place in {type(self).__name__}")
             try:
@@ -112,7 +112,8 @@ class CausalLM(nn.Module, ABC):
             return True
         return any(re.search(pattern, name) for pattern in self.ignored_weights)
 
-    def _target_of(self, name: str) -> tuple[str, ShardId]:
+    def checkpoint_target(self, name: str) -> tuple[str, ShardId]:
+        """The parameter a (renamed) checkpoint tensor fills, and its shard of it (None: the whole)."""
         for checkpoint_part, param_part, shard_id in self.stacked_params:
             if f".{checkpoint_part}." in name:
                 return name.replace(f".{checkpoint_part}.", f".{param_part}."), shard_id

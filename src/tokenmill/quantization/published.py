@@ -12,6 +12,10 @@ Two published formats load as they are:
   writes them and vLLM's ``CompressedTensorsW8A8Int8`` reads them (``ChannelQuantScaleParameter`` of shape
   ``[out, 1]``); the compressed-tensors repository's ``QuantizationArgs`` defines the fields.
 
+* compressed-tensors FP8 dynamic (``"format": "float-quantized"``, the same group with ``"type": "float"``
+  for weights and activations): ``<name>.weight`` float8_e4m3fn ``[out, in]`` and ``weight_scale``
+  ``[out, 1]``, as llm-compressor's ``FP8_DYNAMIC`` scheme writes them (and ``tokenmill quantize``).
+
 Anything else (awq, gptq, bitsandbytes, fp8 with per-tensor or static scales, other compressed-tensors
 schemes) is refused with a :class:`ModelLoadError` that names what the checkpoint asks for.
 """
@@ -33,10 +37,10 @@ def published_quantization(raw: dict[str, Any], source: str) -> QuantizationConf
     if method == "fp8":
         return _block_fp8(spec, source)
     if method == "compressed-tensors":
-        return _compressed_tensors_int8(spec, source)
+        return _compressed_tensors_8bit(spec, source)
     raise ModelLoadError(
         f"{source}: the checkpoint is quantized with '{method}', which tokenmill does not load (supported: "
-        "fp8 with weight_block_size, compressed-tensors int8 W8A8 per channel)"
+        "fp8 with weight_block_size, compressed-tensors int8 W8A8 or fp8 dynamic per channel)"
     )
 
 
@@ -60,16 +64,20 @@ def _block_fp8(spec: dict[str, Any], source: str) -> QuantizationConfig:
     )
 
 
-def _compressed_tensors_int8(spec: dict[str, Any], source: str) -> QuantizationConfig:
+_COMPRESSED_FORMATS = {"int-quantized": ("int", "int8"), "float-quantized": ("float", "fp8")}
+
+
+def _compressed_tensors_8bit(spec: dict[str, Any], source: str) -> QuantizationConfig:
     fmt = spec.get("format")
-    if fmt != "int-quantized":
-        raise _refuse(source, f"compressed-tensors format '{fmt}' (only int-quantized)")
+    if fmt not in _COMPRESSED_FORMATS:
+        raise _refuse(source, f"compressed-tensors format '{fmt}' (only int-quantized, float-quantized)")
+    kind, method = _COMPRESSED_FORMATS[str(fmt)]
     groups = spec.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise _refuse(source, "compressed-tensors with other than one config group")
     group = next(iter(groups.values()))
-    _check_int8_weights(group.get("weights") or {}, source)
-    _check_activations(group.get("input_activations"), source)
+    _check_weights(group.get("weights") or {}, kind, source)
+    _check_activations(group.get("input_activations"), kind, source)
     if "Linear" not in (group.get("targets") or []):
         raise _refuse(source, f"compressed-tensors targets {group.get('targets')} (only Linear)")
     ignore = list(spec.get("ignore") or [])
@@ -77,18 +85,20 @@ def _compressed_tensors_int8(spec: dict[str, Any], source: str) -> QuantizationC
         raise _refuse(source, f"compressed-tensors ignore list {ignore} (only lm_head may stay float)")
     if spec.get("kv_cache_scheme"):
         raise _refuse(source, "a quantized KV cache (kv_cache_scheme)")
-    return QuantizationConfig("int8", prequantized=True, quantize_lm_head="lm_head" not in ignore)
+    return QuantizationConfig(method, prequantized=True, quantize_lm_head="lm_head" not in ignore)
 
 
-def _check_int8_weights(weights: dict[str, Any], source: str) -> None:
-    wanted = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+def _check_weights(weights: dict[str, Any], kind: str, source: str) -> None:
+    wanted = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel"}
     found = {key: weights.get(key) for key in wanted}
     if found != wanted:
         raise _refuse(source, f"compressed-tensors weights {found} (only {wanted})")
 
 
-def _check_activations(activations: dict[str, Any] | None, source: str) -> None:
+def _check_activations(activations: dict[str, Any] | None, kind: str, source: str) -> None:
     if activations is None:
         return
-    if activations.get("num_bits") != 8 or activations.get("type") != "int" or not activations.get("dynamic"):
-        raise _refuse(source, f"compressed-tensors input activations {activations} (only dynamic int8)")
+    if activations.get("num_bits") != 8 or activations.get("type") != kind or not activations.get("dynamic"):
+        raise _refuse(
+            source, f"compressed-tensors input activations {activations} (only dynamic 8-bit {kind})"
+        )

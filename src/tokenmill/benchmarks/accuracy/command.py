@@ -7,6 +7,9 @@ the unquantized model and each mode score the same text with teacher forcing (se
 * ``fp8``: per-channel e4m3 weights, weight-only (dequantized in PyTorch);
 * ``fp8-w8a8``: the same weights with every projection's input rounded per token to e4m3 (dynamic
   scales), as a W8A8 GEMM computes, emulated in PyTorch;
+* ``int8-gptq`` / ``fp8-gptq``: the int8 / fp8 formats with calibrated rounding: the model written by
+  ``tokenmill quantize`` (GPTQ against text the float model samples, not the scored text) to a temporary
+  folder and loaded from it as a pre-quantized checkpoint;
 * ``gguf-float32``: the GGUF blocks kept packed, when that path is built (skipped otherwise), float32
   inputs;
 * ``gguf-int16`` / ``gguf-int8``: the same with each projection's input rounded to 16- / 8-bit integers
@@ -23,6 +26,7 @@ golden prompt compared with the unquantized model's.
 """
 
 import argparse
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +54,7 @@ from tokenmill.benchmarks.report import (
     provenance,
 )
 from tokenmill.errors import ModelLoadError
+from tokenmill.export import QuantizeOptions, write_quantized_checkpoint
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.quantization import QuantizationConfig
@@ -62,6 +67,8 @@ MODE_CONFIGS: dict[str, QuantizationConfig | str] = {
     "gguf-int16": "gguf",
     "gguf-int8": "gguf",
 }
+# Modes written by ``tokenmill quantize`` with calibrated rounding, then loaded as published.
+CALIBRATED_MODES: dict[str, str] = {"int8-gptq": "int8", "fp8-gptq": "fp8"}
 # Modes that differ from another only in the kernels the model binds (the rest run plain PyTorch layers).
 MODE_KERNELS: dict[str, KernelOptions] = {
     f"gguf-{inputs}": KernelOptions(gguf_packed=True, gguf_activations=inputs)
@@ -72,6 +79,8 @@ TARGETS: dict[str, tuple[float, float]] = {
     "int8": (0.01, 0.96),
     "fp8": (0.03, 0.90),
     "fp8-w8a8": (0.03, 0.90),
+    "int8-gptq": (0.01, 0.96),
+    "fp8-gptq": (0.03, 0.90),
 }
 
 
@@ -98,7 +107,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, model: str, quantization: QuantizationConfig | str) -> LoadedModel:
+def _load(args: argparse.Namespace, model: str, mode: str) -> LoadedModel:
+    if mode in CALIBRATED_MODES:
+        with tempfile.TemporaryDirectory(prefix="tokenmill-quantize-") as folder:
+            options = QuantizeOptions(fmt=CALIBRATED_MODES[mode], device=args.device)  # type: ignore[arg-type]
+            write_quantized_checkpoint(model, Path(folder) / "model", options)
+            return load_model(Path(folder) / "model", device=args.device, dtype=args.dtype)
+    quantization = MODE_CONFIGS[mode] if mode != "none" else "none"
     return load_model(model, device=args.device, dtype=args.dtype, quantization=quantization)
 
 
@@ -114,7 +129,7 @@ def model_section(args: argparse.Namespace, model: str) -> list[str]:
     results = [reference]
     for mode in args.modes.split(","):
         try:
-            loaded = _load(args, model, MODE_CONFIGS[mode.strip()])
+            loaded = _load(args, model, mode.strip())
         except ModelLoadError as error:
             print(f"{model} {mode}: skipped ({error})", flush=True)
             results.append(ModeResult(mode, None, [], 0, f"skipped: {error}"))
