@@ -17,6 +17,7 @@ from tiny_models import VOCAB, save_tiny_model
 from tokenmill.errors import ModelLoadError
 from tokenmill.export import QuantizeOptions, write_quantized_checkpoint
 from tokenmill.loading import load_model
+from tokenmill.quantization import QuantizationConfig
 from tokenmill.quantization.gptq import gptq_round
 from tokenmill.reference import greedy_generate
 
@@ -159,6 +160,19 @@ def test_nearest_rounding_writes_naive_per_row_codes(llama_folder: Path, tmp_pat
     assert written["lm_head.weight"].dtype == torch.float32  # compressed-tensors' "ignore": ["lm_head"]
 
 
+def test_a_published_checkpoint_takes_the_w8a8_emulation_when_asked(
+    llama_folder: Path, tmp_path: Path
+) -> None:
+    write_quantized_checkpoint(llama_folder, tmp_path / "q", QuantizeOptions(fmt="fp8", rounding="nearest"))
+    emulated = load_model(tmp_path / "q", quantization=QuantizationConfig("fp8", dynamic_activations=True))
+    method = emulated.model.model.layers[0].self_attn.qkv_proj.quant_method
+    assert method.prequantized and method.dynamic_activations
+    plain = load_model(tmp_path / "q")
+    assert not plain.model.model.layers[0].self_attn.qkv_proj.quant_method.dynamic_activations
+    emulated_logits = greedy_generate(emulated.model, PROMPT, 1).prompt_logits
+    assert not torch.equal(emulated_logits, greedy_generate(plain.model, PROMPT, 1).prompt_logits)
+
+
 def test_quantize_refuses_what_it_cannot_write(llama_folder: Path, tmp_path: Path) -> None:
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
@@ -215,6 +229,7 @@ def test_a_gguf_model_written_as_a_folder_keeps_its_tokenizer_and_weights(
     at_load = load_model(smollm2_gguf_path, quantization="int8")
     written = load_model(tmp_path / "q")
     assert written.quantization == "int8" and written.eos_token_ids == at_load.eos_token_ids
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["model_type"] == "llama"
     assert at_load.tokenizer is not None and written.tokenizer is not None
     text = "The capital of France is Paris.\n\nDef fibonacci(n):"
     assert written.tokenizer.encode(text) == at_load.tokenizer.encode(text)

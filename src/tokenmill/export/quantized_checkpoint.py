@@ -25,6 +25,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.export.calibration import projection_hessians, sampled_calibration
 from tokenmill.loading import load_model
 from tokenmill.loading.checkpoint import Checkpoint
+from tokenmill.loading.loader import MODEL_TYPE_ARCHITECTURES
 from tokenmill.loading.source import resolve_source
 from tokenmill.models import CausalLM
 from tokenmill.models.layers.linear import LinearBase
@@ -199,6 +200,9 @@ def _quantize(
 
 def _write_config(source: Checkpoint, options: QuantizeOptions, out: Path) -> None:
     config: dict[str, Any] = dict(source.hf_config())
+    if "model_type" not in config:  # a GGUF's config names only its architecture; transformers wants both
+        model_types = {arch: name for name, arch in MODEL_TYPE_ARCHITECTURES.items()}
+        config["model_type"] = model_types.get(config["architectures"][0])
     config["quantization_config"] = compressed_tensors_config(options.fmt)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 

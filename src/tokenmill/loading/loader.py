@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from tokenmill.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_MODEL_TYPE_ARCHITECTURES = {
+MODEL_TYPE_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -195,8 +195,8 @@ def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
     architectures = raw.get("architectures")
     if isinstance(architectures, list) and architectures:
         name = str(architectures[0])
-    elif raw.get("model_type") in _MODEL_TYPE_ARCHITECTURES:
-        name = _MODEL_TYPE_ARCHITECTURES[str(raw["model_type"])]
+    elif raw.get("model_type") in MODEL_TYPE_ARCHITECTURES:
+        name = MODEL_TYPE_ARCHITECTURES[str(raw["model_type"])]
     else:
         raise ModelLoadError(f"{source}: config has neither 'architectures' nor a known 'model_type'")
     return resolve_architecture(name, source).config_from_hf(raw, source)

@@ -7,7 +7,7 @@ published in that format, load it as published), ``gguf`` (GGUF blocks kept pack
 """
 
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenmill.config import QuantizationMethod
 from tokenmill.errors import ModelLoadError
@@ -62,8 +62,9 @@ def resolve_quantization(
     requested: "str | QuantizationConfig", published: QuantizationConfig | None, source: str
 ) -> QuantizationConfig:
     """The config to build with: ``requested`` (a name or a config) against what the checkpoint
-    ``published`` (None: float weights). A pre-quantized checkpoint loads as published; asking for another
-    format than its own is an error, not a silent re-quantization."""
+    ``published`` (None: float weights). A pre-quantized checkpoint loads as published (with the W8A8
+    emulation of ``dynamic_activations`` if a requested config asks for it); asking for another format than
+    its own is an error, not a silent re-quantization."""
     wanted = requested if isinstance(requested, QuantizationConfig) else _named(requested)
     if published is None:
         return wanted
@@ -72,7 +73,7 @@ def resolve_quantization(
             f"{source}: the checkpoint is pre-quantized as '{published.method}'; quantization "
             f"'{wanted.method}' cannot be applied on top (use 'none' or '{published.method}')"
         )
-    return published
+    return replace(published, dynamic_activations=wanted.dynamic_activations)
 
 
 def _named(name: str) -> QuantizationConfig:

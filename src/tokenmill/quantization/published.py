@@ -1,6 +1,6 @@
 """Pre-quantized checkpoints, recognised from ``config.json``'s ``quantization_config``.
 
-Two published formats load as they are:
+Three published formats load as they are:
 
 * ``{"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}``:
   block-scaled fp8 (see :mod:`.block_fp8` for the tensors and their sources).

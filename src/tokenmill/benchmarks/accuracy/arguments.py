@@ -4,7 +4,17 @@ import argparse
 from pathlib import Path
 
 DEFAULT_MODELS = "smollm2,gemma3-270m"
-MODES = ("int8", "fp8", "fp8-w8a8", "int8-gptq", "fp8-gptq", "gguf-float32", "gguf-int16", "gguf-int8")
+MODES = (
+    "int8",
+    "fp8",
+    "fp8-w8a8",
+    "int8-gptq",
+    "fp8-gptq",
+    "fp8-gptq-w8a8",
+    "gguf-float32",
+    "gguf-int16",
+    "gguf-int8",
+)
 
 
 def add_accuracy_arguments(parser: argparse.ArgumentParser) -> None:

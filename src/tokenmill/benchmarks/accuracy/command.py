@@ -9,7 +9,8 @@ the unquantized model and each mode score the same text with teacher forcing (se
   scales), as a W8A8 GEMM computes, emulated in PyTorch;
 * ``int8-gptq`` / ``fp8-gptq``: the int8 / fp8 formats with calibrated rounding: the model written by
   ``tokenmill quantize`` (GPTQ against text the float model samples, not the scored text) to a temporary
-  folder and loaded from it as a pre-quantized checkpoint;
+  folder and loaded from it as a pre-quantized checkpoint; ``fp8-gptq-w8a8``: those fp8 weights with the
+  inputs rounded as ``fp8-w8a8`` rounds them;
 * ``gguf-float32``: the GGUF blocks kept packed, when that path is built (skipped otherwise), float32
   inputs;
 * ``gguf-int16`` / ``gguf-int8``: the same with each projection's input rounded to 16- / 8-bit integers
@@ -67,8 +68,13 @@ MODE_CONFIGS: dict[str, QuantizationConfig | str] = {
     "gguf-int16": "gguf",
     "gguf-int8": "gguf",
 }
-# Modes written by ``tokenmill quantize`` with calibrated rounding, then loaded as published.
-CALIBRATED_MODES: dict[str, str] = {"int8-gptq": "int8", "fp8-gptq": "fp8"}
+# Modes written by ``tokenmill quantize`` with calibrated rounding, then loaded as published: the format,
+# and whether the inputs are rounded as a W8A8 GEMM rounds them.
+CALIBRATED_MODES: dict[str, tuple[str, bool]] = {
+    "int8-gptq": ("int8", False),
+    "fp8-gptq": ("fp8", False),
+    "fp8-gptq-w8a8": ("fp8", True),
+}
 # Modes that differ from another only in the kernels the model binds (the rest run plain PyTorch layers).
 MODE_KERNELS: dict[str, KernelOptions] = {
     f"gguf-{inputs}": KernelOptions(gguf_packed=True, gguf_activations=inputs)
@@ -81,6 +87,7 @@ TARGETS: dict[str, tuple[float, float]] = {
     "fp8-w8a8": (0.03, 0.90),
     "int8-gptq": (0.01, 0.96),
     "fp8-gptq": (0.03, 0.90),
+    "fp8-gptq-w8a8": (0.03, 0.90),
 }
 
 
@@ -107,19 +114,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, model: str, mode: str) -> LoadedModel:
-    if mode in CALIBRATED_MODES:
-        with tempfile.TemporaryDirectory(prefix="tokenmill-quantize-") as folder:
-            options = QuantizeOptions(fmt=CALIBRATED_MODES[mode], device=args.device)  # type: ignore[arg-type]
-            write_quantized_checkpoint(model, Path(folder) / "model", options)
-            return load_model(Path(folder) / "model", device=args.device, dtype=args.dtype)
-    quantization = MODE_CONFIGS[mode] if mode != "none" else "none"
-    return load_model(model, device=args.device, dtype=args.dtype, quantization=quantization)
+def _load(args: argparse.Namespace, model: str, mode: str, scratch: Path) -> LoadedModel:
+    """``model`` in ``mode``; a calibrated mode's checkpoint is written under ``scratch`` once per format."""
+    if mode not in CALIBRATED_MODES:
+        quantization = MODE_CONFIGS[mode] if mode != "none" else "none"
+        return load_model(model, device=args.device, dtype=args.dtype, quantization=quantization)
+    fmt, w8a8 = CALIBRATED_MODES[mode]
+    folder = scratch / fmt
+    if not folder.exists():
+        options = QuantizeOptions(fmt=fmt, device=args.device)  # type: ignore[arg-type]
+        write_quantized_checkpoint(model, folder, options)
+    as_published = QuantizationConfig(fmt, dynamic_activations=w8a8)
+    return load_model(folder, device=args.device, dtype=args.dtype, quantization=as_published)
 
 
 def model_section(args: argparse.Namespace, model: str) -> list[str]:
     """Score the unquantized model and every mode; the model's tables."""
-    reference_model = _load(args, model, "none")
+    with tempfile.TemporaryDirectory(prefix="tokenmill-quantize-") as scratch:
+        return _model_section(args, model, Path(scratch))
+
+
+def _model_section(args: argparse.Namespace, model: str, scratch: Path) -> list[str]:
+    reference_model = _load(args, model, "none", scratch)
     tokenizer = reference_model.tokenizer
     assert tokenizer is not None, f"{model} carries no tokenizer"
     tokens = tokenizer.encode(evaluation_text())[: args.max_tokens]
@@ -129,7 +145,7 @@ def model_section(args: argparse.Namespace, model: str) -> list[str]:
     results = [reference]
     for mode in args.modes.split(","):
         try:
-            loaded = _load(args, model, mode.strip())
+            loaded = _load(args, model, mode.strip(), scratch)
         except ModelLoadError as error:
             print(f"{model} {mode}: skipped ({error})", flush=True)
             results.append(ModeResult(mode, None, [], 0, f"skipped: {error}"))
