@@ -1,5 +1,5 @@
-"""Writing checkpoints: a float model's projections rounded with calibration (GPTQ) into a pre-quantized
-checkpoint the loader (and vLLM) reads as published (``tokenmill quantize``)."""
+"""Writing checkpoints (``tokenmill quantize``): a float model's projections rounded with calibration
+(GPTQ) into a pre-quantized checkpoint in compressed-tensors' layout, which the loader reads as published."""
 
 from tokenmill.export.quantized_checkpoint import QuantizeOptions, QuantizeSummary, write_quantized_checkpoint
 

@@ -1,9 +1,10 @@
 """``tokenmill quantize``: a float checkpoint (a Hugging Face folder, a GGUF file, an installed model) written
 as a pre-quantized one, its projections rounded with calibration (GPTQ) or to nearest.
 
-The folder holds what a published compressed-tensors checkpoint holds, so tokenmill and vLLM load it as
-published: ``config.json`` with a ``quantization_config`` (``int-quantized`` int8 or ``float-quantized``
-e4m3 weights, one scale per output channel, dynamic per-token activations, the LM head left float),
+The folder holds what a published compressed-tensors checkpoint holds (the layout vLLM reads), so
+tokenmill loads it as published: ``config.json`` with a ``quantization_config`` (``int-quantized`` int8
+or ``float-quantized`` e4m3 weights, one scale per output channel, dynamic per-token activations, the LM
+head left float),
 safetensors under Hugging Face names (each projection's ``weight`` in 8 bits and its ``weight_scale``
 ``[out, 1]``; every other tensor as the source gives it), the tokenizer, ``generation_config.json`` with
 the end-of-sequence ids, and ``tokenmill_quantize.json`` saying how the weights were rounded.
