@@ -147,6 +147,19 @@ def test_quantized_checkpoint_loads_as_published_and_equals_its_weights(
     assert torch.equal(written["model.norm.weight"], source["model.norm.weight"])
 
 
+@pytest.mark.parametrize("name", ["llama-tied", "mistral", "qwen2", "qwen3", "gemma3"])
+def test_every_architecture_written_equals_transformers_on_its_weights(tmp_path: Path, name: str) -> None:
+    """Each family's checkpoint names and layouts (biases, q/k norms, Gemma's norms, tied heads) survive
+    the writing: the folder, loaded as published, equals transformers on the weights it stands for."""
+    save_tiny_model(name, tmp_path / "float")
+    write_quantized_checkpoint(tmp_path / "float", tmp_path / "q", QuantizeOptions(rounding="nearest"))
+    reference = AutoModelForCausalLM.from_pretrained(_dequantized_copy(tmp_path / "q", tmp_path / "deq"))
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0, -1]
+    ours = greedy_generate(load_model(tmp_path / "q").model, PROMPT, 1).prompt_logits
+    assert torch.allclose(ours, expected, atol=1e-4, rtol=0), (ours - expected).abs().max()
+
+
 def test_nearest_rounding_writes_naive_per_row_codes(llama_folder: Path, tmp_path: Path) -> None:
     write_quantized_checkpoint(llama_folder, tmp_path / "q", QuantizeOptions(rounding="nearest"))
     source, written = (
