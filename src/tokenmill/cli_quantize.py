@@ -27,7 +27,9 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
         default=4096,
         help="tokens of text the float model samples to calibrate on (default: 4096)",
     )
-    parser.add_argument("--device", default="cpu", help="where the float model runs (default: cpu)")
+    parser.add_argument(
+        "--device", default="auto", help="where the float model runs (default: auto, a GPU if there is one)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the calibration sampling (default: 0)")
 
 

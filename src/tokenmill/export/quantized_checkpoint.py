@@ -15,7 +15,7 @@ Memory: the float model, one float32 ``[in, in]`` matrix per projection, and one
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,13 +43,13 @@ INFO_FILE = "tokenmill_quantize.json"
 class QuantizeOptions:
     """``fmt``: int8 or fp8 (e4m3) weights; ``rounding``: GPTQ against calibration inputs, or to nearest
     (what ``quantization=int8|fp8`` does at load); ``calibration_tokens``: text the float model samples to
-    calibrate on; ``device``: where the float model runs."""
+    calibrate on; ``device``: where the float model runs (``auto``: a GPU if there is one)."""
 
     fmt: WeightFormat = "int8"
     rounding: Rounding = "gptq"
     calibration_tokens: int = 4096
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.fmt not in ("int8", "fp8"):
@@ -83,6 +83,8 @@ def write_quantized_checkpoint(
         raise ModelLoadError("dummy weights have nothing to calibrate or keep: name a real checkpoint")
     if published_quantization(source.hf_config(), str(source.config_file)) is not None:
         raise ModelLoadError(f"{source.path} is quantized already: quantize takes a float checkpoint")
+    if options.device == "auto":
+        options = replace(options, device="cuda" if torch.cuda.is_available() else "cpu")
     dtype = "float32" if options.device == "cpu" else "bfloat16"
     loaded = load_model(model, device=options.device, dtype=dtype, quantization="none")
     hessians: dict[str, torch.Tensor] = {}
