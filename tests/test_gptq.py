@@ -224,6 +224,8 @@ def test_quantize_command_checks_flags_before_loading(tmp_path: Path) -> None:
     result = run_cli("quantize", "--output", str(tmp_path / "q"), "--quantization", "int4")
     assert result.returncode == 2 and "invalid choice: 'int4'" in result.stderr
     assert "imported: nothing heavy" in result.stderr
+    preset = run_cli("quantize", "--model", "llama-3.2-1b", "--output", str(tmp_path / "q"))
+    assert preset.returncode == 2 and "dummy-weight preset: quantize needs a checkpoint" in preset.stderr
     missing = run_cli("quantize", "--model", str(tmp_path / "nowhere"), "--output", str(tmp_path / "q"))
     assert (
         missing.returncode == 2

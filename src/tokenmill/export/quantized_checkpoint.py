@@ -27,6 +27,7 @@ from tokenmill.export.calibration import projection_hessians, sampled_calibratio
 from tokenmill.loading import load_model
 from tokenmill.loading.checkpoint import Checkpoint
 from tokenmill.loading.loader import MODEL_TYPE_ARCHITECTURES
+from tokenmill.loading.presets import load_preset
 from tokenmill.loading.source import resolve_source
 from tokenmill.models import CausalLM
 from tokenmill.models.layers.linear import LinearBase
@@ -78,6 +79,10 @@ def write_quantized_checkpoint(
     out = Path(output)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; name a new folder")
+    if model is not None and not Path(model).exists() and load_preset(str(model)) is not None:
+        raise ModelLoadError(
+            f"'{model}' is a dummy-weight preset: quantize needs a checkpoint with real weights"
+        )
     source = resolve_source(model)
     if not isinstance(source, Checkpoint):
         raise ModelLoadError("dummy weights have nothing to calibrate or keep: name a real checkpoint")
