@@ -76,8 +76,9 @@ def test_gptq_moves_outputs_less_than_nearest_rounding(fmt: str) -> None:
     """On inputs from the calibration's distribution but not in it, GPTQ's outputs are closer to the float
     layer's than round-to-nearest's (the same format, the same scales)."""
     weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
-    calibration, held_out = correlated_inputs(2000, 256, seed=4), correlated_inputs(2000, 256, seed=4)[1000:]
-    codes, scale = gptq_round(weight, calibration[:1000].T @ calibration[:1000], fmt)
+    inputs = correlated_inputs(2000, 256, seed=4)
+    calibration, held_out = inputs[:1000], inputs[1000:]
+    codes, scale = gptq_round(weight, calibration.T @ calibration, fmt)
     nearest_codes, nearest_scale = (naive_int8 if fmt == "int8" else naive_fp8)(weight)
     reference = held_out @ weight.T
     gptq_error = (held_out @ (codes.float() * scale[:, None]).T - reference).norm()

@@ -79,11 +79,14 @@ def write_quantized_checkpoint(
     out = Path(output)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; name a new folder")
-    if model is not None and not Path(model).exists() and load_preset(str(model)) is not None:
-        raise ModelLoadError(
-            f"'{model}' is a dummy-weight preset: quantize needs a checkpoint with real weights"
-        )
-    source = resolve_source(model)
+    try:
+        source = resolve_source(model)
+    except ModelLoadError:
+        if model is not None and load_preset(str(model)) is not None:  # the loader's hint names a flag
+            raise ModelLoadError(
+                f"'{model}' is a dummy-weight preset: quantize needs a checkpoint with real weights"
+            ) from None
+        raise
     if not isinstance(source, Checkpoint):
         raise ModelLoadError("dummy weights have nothing to calibrate or keep: name a real checkpoint")
     if published_quantization(source.hf_config(), str(source.config_file)) is not None:
