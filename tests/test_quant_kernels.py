@@ -23,7 +23,13 @@ if not triton_available():
 from tokenmill.kernels.gemv import GemvConfig, gated_gemv, gemv, rms_norm_gemv
 from tokenmill.kernels.quantize_rows import Q_MAX, quantize_rows, quantize_rows_reference
 from tokenmill.kernels.scaled_matmul import fp8_linear, int8_linear, w8a8_linear_reference
-from tokenmill.kernels.w8a8_gemm import W8A8GemmConfig, w8a8_gemm, w8a8_gemm_fits
+from tokenmill.kernels.w8a8_gemm import (
+    W8A8GemmConfig,
+    default_w8a8_gemm_config,
+    w8a8_arrival_counters,
+    w8a8_gemm,
+    w8a8_gemm_fits,
+)
 from tokenmill.models.layers.activation import SiluAndMul
 from tokenmill.models.layers.norm import RMSNorm
 
@@ -197,28 +203,50 @@ def test_w8a8_linear_takes_decode_batches_through_tokenmills_gemm(
     _close(linear(x, weight, scale, bias), w8a8_linear_reference(x, weight, scale, bias))
 
 
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_narrow_projections_at_small_batches_split_their_input_features(weight_dtype: torch.dtype) -> None:
+    """A narrow weight with long rows at a few rows (down_proj's shape at a small batch): the default
+    config splits its 8,192 input features four ways, and the linear still equals the reference."""
+    if weight_dtype == torch.float8_e4m3fn and not ON_CUDA:
+        pytest.skip("float8 quantization kernel: CUDA only (see the module docstring)")
+    torch.manual_seed(8)
+    x = torch.randn(3, 8192, device=DEVICE, dtype=ACT_DTYPE)
+    weight, scale = quantize_per_channel(torch.randn(64, 8192, device=DEVICE), weight_dtype)
+    assert default_w8a8_gemm_config(3, 64, 8192).split_k == 4
+    assert default_w8a8_gemm_config(65, 64, 8192).split_k == 1  # beyond SPLIT_MAX_ROWS
+    assert default_w8a8_gemm_config(3, 8192, 8192).split_k == 1  # wide outputs make enough tiles
+    linear = fp8_linear if weight_dtype == torch.float8_e4m3fn else int8_linear
+    _close(linear(x, weight, scale), w8a8_linear_reference(x, weight, scale))
+
+
 SMALL_W8A8_GEMM = W8A8GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2)
 
 
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("rows", [2, 17, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("split_k", [1, 3])
 def test_w8a8_gemm_matches_float32_products_of_the_same_operands(
-    weight_dtype: torch.dtype, rows: int, with_bias: bool
+    weight_dtype: torch.dtype, rows: int, with_bias: bool, split_k: int
 ) -> None:
     """Already-quantized operands (converted by PyTorch, so the interpreter's float8 conversion plays no
     part): float32 products and sums, the scales and bias applied once; rows past a whole row tile (17, 40
-    with 16-row tiles) are masked."""
+    with 16-row tiles) are masked. Split three ways over the input features, the same; the arrival
+    counters are left at zero for the next launch, which gives the same bits."""
     torch.manual_seed(7)
     x = torch.randn(rows, 96, device=DEVICE)
     x_q, x_scale = quantize_per_channel(x, weight_dtype)  # one scale per row of x, as quantize_rows makes
     weight, scale = quantize_per_channel(torch.randn(64, 96, device=DEVICE), weight_dtype)
     bias = torch.randn(64, device=DEVICE, dtype=ACT_DTYPE) if with_bias else None
-    out = w8a8_gemm(x_q, weight, x_scale[:, None], scale, bias, torch.float32, SMALL_W8A8_GEMM)
+    config = SMALL_W8A8_GEMM._replace(split_k=split_k)
+    out = w8a8_gemm(x_q, weight, x_scale[:, None], scale, bias, torch.float32, config)
     expected = dequantized(x_q, x_scale) @ dequantized(weight, scale).t()
     if bias is not None:
         expected += bias.float()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    again = w8a8_gemm(x_q, weight, x_scale[:, None], scale, bias, torch.float32, config)
+    assert torch.equal(again, out)
+    assert not w8a8_arrival_counters(x.device).any()
 
 
 def test_w8a8_gemm_takes_only_decode_batches_of_whole_tiles() -> None:

@@ -38,7 +38,7 @@ for name, (n, k) in SHAPES.items():
             except Exception as e:
                 print(name, m, c, "FAILED", str(e)[:120], flush=True)
         best = min(times, key=times.get)
-        landed = tuple(default_fp8_gemm_config(m, n))
+        landed = tuple(default_fp8_gemm_config(m, n, k))
         print(f"{name:8} M={m:4} landed {landed} {times[landed]:7.2f} us  best {best} {times[best]:7.2f} us", flush=True)
         table[f"{n},{k},{m}"] = list(best)
 json.dump(table, open(f"{OUT}/table.json", "w"))
@@ -48,7 +48,7 @@ import tokenmill.kernels.w8a8_gemm as g
 table = json.load(open(sys.argv[1]))
 landed = g.default_w8a8_gemm_config
 def config(rows, out_features, in_features=None):
-    return landed(rows, out_features)
+    return landed(rows, out_features, in_features)
 def fits_patch():
     original_fits = g.w8a8_gemm_fits
     def pick(rows, weight, cfg=None):
@@ -56,7 +56,7 @@ def fits_patch():
     def lookup(rows, n, k):
         bucket = next((b for b in (16, 64, 128, 178, 256) if rows <= (b if b != 178 else 192)), 256)
         entry = table.get(f"{n},{k},{bucket}")
-        return g.W8A8GemmConfig(*entry) if entry else landed(rows, n)
+        return g.W8A8GemmConfig(*entry) if entry else landed(rows, n, k)
     original_gemm = g.w8a8_gemm
     def gemm(x_q, weight, x_scale, weight_scale, bias, out_dtype, cfg=None):
         return original_gemm(x_q, weight, x_scale, weight_scale, bias, out_dtype, pick(x_q.shape[0], weight, cfg))
