@@ -195,8 +195,8 @@ def _split_buffers(
     tiles: int, config: W8A8GemmConfig, integer: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The partial sums of a split launch (a fresh allocation: under a CUDA graph, from its pool) and the
-    per-device arrival counters, zeroed once and left zero by every merge. Unsplit, the weight-scale-sized
-    placeholders below are never touched."""
+    per-device arrival counters, zeroed once and left zero by every merge. Unsplit, the kernel touches
+    neither: the counters stand in for both."""
     counters = w8a8_arrival_counters(device, tiles)
     if config.split_k == 1:
         return counters, counters
