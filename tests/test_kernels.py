@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+import tokenmill.kernels._common as kernel_helpers
 from tokenmill.attention import (
     AttentionLayer,
     AttentionMetadata,
@@ -627,7 +628,7 @@ def test_decode_merges_leave_their_counters_at_zero(device: str) -> None:
         for _ in range(3)
     ]
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[1], outputs[2])
-    assert not partitions._ARRIVALS[torch.device(outputs[0].device)].any()
+    assert not kernel_helpers._ARRIVALS[(partitions.COUNTERS_OWNER, torch.device(outputs[0].device))].any()
 
 
 @pytest.mark.parametrize("window", [None, 3, 24])
@@ -674,7 +675,7 @@ def test_split_prefill_matches_the_reference(
         outputs = [paged_prefill_attention(*inputs, split=DecodeSplit(*split)) for _ in range(2)]
         assert torch.equal(outputs[0], outputs[1])
         assert_attention_close(outputs[0], expected, exact, dtype)
-        assert not partitions._ARRIVALS[outputs[0].device].any()
+        assert not kernel_helpers._ARRIVALS[(partitions.COUNTERS_OWNER, outputs[0].device)].any()
 
 
 @pytest.mark.parametrize("window", [None, 24])

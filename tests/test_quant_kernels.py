@@ -20,13 +20,14 @@ from tokenmill.kernels import interpreter_enabled, triton_available
 if not triton_available():
     pytest.skip("triton cannot run here (no CUDA, TRITON_INTERPRET unset)", allow_module_level=True)
 
+import tokenmill.kernels._common as kernel_helpers
 from tokenmill.kernels.gemv import GemvConfig, gated_gemv, gemv, rms_norm_gemv
 from tokenmill.kernels.quantize_rows import Q_MAX, quantize_rows, quantize_rows_reference
 from tokenmill.kernels.scaled_matmul import fp8_linear, int8_linear, w8a8_linear_reference
 from tokenmill.kernels.w8a8_gemm import (
+    COUNTERS_OWNER,
     W8A8GemmConfig,
     default_w8a8_gemm_config,
-    w8a8_arrival_counters,
     w8a8_gemm,
     w8a8_gemm_fits,
 )
@@ -246,7 +247,7 @@ def test_w8a8_gemm_matches_float32_products_of_the_same_operands(
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     again = w8a8_gemm(x_q, weight, x_scale[:, None], scale, bias, torch.float32, config)
     assert torch.equal(again, out)
-    assert not w8a8_arrival_counters(x.device).any()
+    assert not kernel_helpers._ARRIVALS[(COUNTERS_OWNER, x.device)].any()
 
 
 def test_w8a8_gemm_takes_only_decode_batches_of_whole_tiles() -> None:

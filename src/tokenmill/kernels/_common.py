@@ -30,3 +30,20 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SM_COUNT
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_ARRIVALS: dict[tuple[str, torch.device], torch.Tensor] = {}
+MIN_ARRIVAL_COUNTERS = 4096  # more than any split launch needs, so CUDA graphs find them made
+
+
+def arrival_counters(owner: str, device: torch.device, count: int = 1) -> torch.Tensor:
+    """Zeroed int32 counters that ``owner``'s split launches count their arrivals on (the last to arrive
+    merges, and leaves its counter at zero again), kept from launch to launch: one buffer per owner and
+    device, made before any CUDA graph capture (the warm-up runs first). Owners do not share a buffer."""
+    counters = _ARRIVALS.get((owner, device))
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{owner} needs more arrival counters during CUDA graph capture")
+        counters = torch.zeros(max(count, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
+        _ARRIVALS[(owner, device)] = counters
+    return counters

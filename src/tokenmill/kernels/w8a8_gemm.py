@@ -21,11 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels._common import arrival_counters
+
 W8A8_GEMM_MAX_ROWS = 256
 WIDE_OUTPUTS = 16384  # gate/up and LM-head widths: these take wider column tiles at larger batches
 SPLIT_MAX_ROWS = 64  # split the input features of narrow projections up to this many rows
 SPLIT_MAX_OUTPUTS = 4096
 SPLIT_MIN_FEATURES = 2048  # input features per split program at least
+COUNTERS_OWNER = "the W8A8 GEMM"
 
 
 class W8A8GemmConfig(NamedTuple):
@@ -187,31 +190,15 @@ def w8a8_gemm(
     return out
 
 
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-MIN_ARRIVAL_COUNTERS = 4096  # more tiles than any split launch here makes, so CUDA graphs find them made
-
-
 def _split_buffers(
     tiles: int, config: W8A8GemmConfig, integer: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The partial sums of a split launch (a fresh allocation: under a CUDA graph, from its pool) and the
     per-device arrival counters, zeroed once and left zero by every merge. Unsplit, the kernel touches
     neither: the counters stand in for both."""
-    counters = w8a8_arrival_counters(device, tiles)
+    counters = arrival_counters(COUNTERS_OWNER, device, tiles)
     if config.split_k == 1:
         return counters, counters
     dtype = torch.int32 if integer else torch.float32
     partials = torch.empty(tiles, config.split_k, config.block_m, config.block_n, dtype=dtype, device=device)
     return partials, counters
-
-
-def w8a8_arrival_counters(device: torch.device, count: int = MIN_ARRIVAL_COUNTERS) -> torch.Tensor:
-    """The split launches' counters on ``device`` (at least ``count``), made before any graph capture
-    (the warm-up launches first)."""
-    counters = _ARRIVALS.get(device)
-    if counters is None or counters.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the W8A8 GEMM needs more arrival counters during CUDA graph capture")
-        counters = torch.zeros(max(count, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = counters
-    return counters

@@ -6,6 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels._common import arrival_counters
+
+COUNTERS_OWNER = "split attention"
 MERGE_CHUNK = tl.constexpr(8)  # partitions a decode program's merge reads per round (a group's few rows)
 
 
@@ -114,28 +117,12 @@ def decode_partials(
         unused = _PLACEHOLDERS.get(device)
         if unused is None:
             unused = _PLACEHOLDERS[device] = torch.empty(1, dtype=torch.float32, device=device)
-        return unused, unused, unused, arrival_counters(device, 1)
+        return unused, unused, unused, arrival_counters(COUNTERS_OWNER, device)
     shape = (num_rows, num_heads, num_splits)
     part_out = torch.empty(*shape, head_dim, dtype=torch.float32, device=device)
     part_max = torch.empty(shape, dtype=torch.float32, device=device)
     part_sum = torch.empty(shape, dtype=torch.float32, device=device)
-    return part_out, part_max, part_sum, arrival_counters(device, num_merges)
+    return part_out, part_max, part_sum, arrival_counters(COUNTERS_OWNER, device, num_merges)
 
 
 _PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
-
-
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-MIN_ARRIVAL_COUNTERS = 4096  # more than a split launch needs (see plan_decode_split), so graphs find it
-
-
-def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters, kept from launch to launch: each merge leaves its counter at zero again.
-    One buffer per device, made before any CUDA graph capture (the warm-up runs first)."""
-    counters = _ARRIVALS.get(device)
-    if counters is None or counters.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode attention needs more split counters during CUDA graph capture")
-        counters = torch.zeros(max(count, MIN_ARRIVAL_COUNTERS), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = counters
-    return counters
