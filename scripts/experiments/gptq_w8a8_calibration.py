@@ -62,7 +62,7 @@ def gather(
         handles.append(model.model.layers[last_layer].register_forward_hook(stop))
     for sequence in sequences:
         try:
-            SingleSequenceRunner(model, len(sequence))._hidden(list(sequence))
+            SingleSequenceRunner(model, len(sequence)).hidden_states(list(sequence))
         except _Stop:
             pass
     for h in handles:

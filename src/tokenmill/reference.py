@@ -46,14 +46,16 @@ class SingleSequenceRunner:
     @torch.inference_mode()
     def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Append ``token_ids`` to the sequence; return the float32 logits of the last one."""
-        return self.model.compute_logits(self._hidden(token_ids)[-1:])[0]
+        return self.model.compute_logits(self.hidden_states(token_ids)[-1:])[0]
 
     @torch.inference_mode()
     def forward_all(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Append ``token_ids``; return the float32 logits of every one of them (teacher forcing)."""
-        return self.model.compute_logits(self._hidden(token_ids))
+        return self.model.compute_logits(self.hidden_states(token_ids))
 
-    def _hidden(self, token_ids: Sequence[int]) -> torch.Tensor:
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Append ``token_ids``; return their final hidden states (no logits: what calibration needs)."""
         start, count = self.num_tokens, len(token_ids)
         if start + count > self.max_len:
             raise ValueError(f"sequence of {start + count} tokens exceeds the cache of {self.max_len}")

@@ -70,7 +70,7 @@ def projection_hessians(model: CausalLM, sequences: Sequence[Sequence[int]]) -> 
     handles = [module.register_forward_pre_hook(gather(name)) for name, module in projections.items()]
     try:
         for sequence in sequences:
-            SingleSequenceRunner(model, len(sequence)).forward_all(list(sequence))
+            SingleSequenceRunner(model, len(sequence)).hidden_states(list(sequence))
     finally:
         for handle in handles:
             handle.remove()

@@ -59,6 +59,7 @@ from tokenmill.export import QuantizeOptions, write_quantized_checkpoint
 from tokenmill.kernels.options import KernelOptions
 from tokenmill.loading import LoadedModel, load_model
 from tokenmill.quantization import QuantizationConfig
+from tokenmill.quantization.gptq import WeightFormat
 
 MODE_CONFIGS: dict[str, QuantizationConfig | str] = {
     "int8": QuantizationConfig("int8"),
@@ -70,7 +71,7 @@ MODE_CONFIGS: dict[str, QuantizationConfig | str] = {
 }
 # Modes written by ``tokenmill quantize`` with calibrated rounding, then loaded as published: the format,
 # and whether the inputs are rounded as a W8A8 GEMM rounds them.
-CALIBRATED_MODES: dict[str, tuple[str, bool]] = {
+CALIBRATED_MODES: dict[str, tuple[WeightFormat, bool]] = {
     "int8-gptq": ("int8", False),
     "fp8-gptq": ("fp8", False),
     "fp8-gptq-w8a8": ("fp8", True),
@@ -122,7 +123,7 @@ def _load(args: argparse.Namespace, model: str, mode: str, scratch: Path) -> Loa
     fmt, w8a8 = CALIBRATED_MODES[mode]
     folder = scratch / fmt
     if not folder.exists():
-        options = QuantizeOptions(fmt=fmt, device=args.device)  # type: ignore[arg-type]
+        options = QuantizeOptions(fmt=fmt, device=args.device)
         write_quantized_checkpoint(model, folder, options)
     as_published = QuantizationConfig(fmt, dynamic_activations=w8a8)
     return load_model(folder, device=args.device, dtype=args.dtype, quantization=as_published)
