@@ -706,6 +706,23 @@ def test_without_a_cache_every_step_recomputes_each_sequence_from_its_first_toke
     assert not scheduler.has_unfinished
 
 
+def test_a_batch_step_orders_its_rows_longest_context_first() -> None:
+    """``seq_order`` (the order decode attention launches a batch's sequences in): rows by context length,
+    longest first, ties in row order, padding rows (graphs) last."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
+    scheduler = Scheduler(config, PagedKVCacheManager(num_blocks=64, block_size=4), max_model_len=64)
+    lengths = [5, 17, 9, 17, 2]
+    for i, length in enumerate(lengths):
+        scheduler.add(make_sequence(f"s{i}", range(length), max_tokens=4))
+    chunks = scheduler.schedule().chunks
+    arrays = build_step_arrays(chunks, scheduler.kv, num_rows=7)
+    ends = [chunk.end for chunk in chunks]
+    assert sorted(ends) == sorted(lengths)
+    expected = [*sorted(range(len(ends)), key=lambda row: -ends[row]), 5, 6]
+    assert arrays["seq_order"].tolist() == expected
+    assert build_step_arrays(chunks[:1], scheduler.kv)["seq_order"].tolist() == [0]
+
+
 # --- KV pool -------------------------------------------------------------------------------------------
 
 

@@ -384,8 +384,11 @@ class PagedBatch:
     tables: list[list[int]]
 
     def metadata(self) -> AttentionMetadata:
+        """With the launch order the step builder gives (longest context first; decode launches of more
+        than one wave follow it)."""
         device = self.query.device
         width = max(len(t) for t in self.tables)
+        order = sorted(range(len(self.seq_lens)), key=lambda row: -self.seq_lens[row])
         return AttentionMetadata(
             query_start_loc=torch.tensor(self.starts, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
@@ -395,6 +398,7 @@ class PagedBatch:
             block_tables=torch.tensor(
                 [t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32, device=device
             ),
+            seq_order=torch.tensor(order, dtype=torch.int32, device=device),
         )
 
     def cache_copy(self, dtype: torch.dtype | None = None) -> KVCacheLayer:
@@ -601,6 +605,19 @@ def test_decode_short_contexts_stay_unsplit_in_a_split_launch(device: str, dtype
     backends = [TritonAttentionBackend(), TritonAttentionBackend(fused_decode_rotary_kv=True)]
     rotary = RotaryEmbedding(64, 1024, RopeConfig(theta=10000.0)).to(device)
     check_against_reference(batch, _layer(4, 1, 64, None), backends, dtype, rotary)
+
+
+def test_decode_of_several_waves_launches_longest_first(device: str, dtype: torch.dtype) -> None:
+    """More programs than one wave of the GPU: they are launched longest context first (the metadata's
+    ``seq_order``), and each sequence still gets its own output; one wave or a split launch ignores the
+    order."""
+    from tokenmill.kernels.attention import launch_waves
+
+    batch = random_batch(41, 4, 2, 64, mode="decode", dtype=dtype, device=device, max_len=80, batch=12)
+    assert launch_waves(12 * 2, torch.device(device)) > 1
+    backends = [TritonAttentionBackend(), TritonAttentionBackend(fused_decode_rotary_kv=True)]
+    rotary = RotaryEmbedding(64, 128, RopeConfig(theta=10000.0)).to(device)
+    check_against_reference(batch, _layer(4, 2, 64, None), backends, dtype, rotary)
 
 
 def test_decode_tiles_follow_the_batch_and_the_pool_dtype() -> None:

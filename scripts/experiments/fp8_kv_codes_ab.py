@@ -6,6 +6,9 @@ pool. Llama-3.1-8B's heads (32 query / 8 KV of 128), CUDA-graph replays over til
 pool's own values.
 
     PYTHONPATH=src python scripts/experiments/fp8_kv_codes_ab.py [--partitions]
+
+``--profile bf16|fp8``: three launches of the default config over that pool at 178 sequences, for
+``ncu -k regex:_decode_kernel --launch-skip 2 --launch-count 1`` (stall reasons of the landed kernel).
 """
 
 import argparse
@@ -78,8 +81,12 @@ def measure(label: str, call: functools.partial, expected: torch.Tensor, kv_byte
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--partitions", action="store_true", help="sweep split-K partition sizes instead")
+    parser.add_argument("--profile", choices=("bf16", "fp8"), help="launch one pool's kernel for ncu")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    if args.profile:
+        profile(args.profile)
+        return
     for name, seq_lens in workloads().items():
         key16, value16, tables = pools(seq_lens)
         query = torch.randn(len(seq_lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -104,6 +111,18 @@ def main() -> None:
                     measure(label, call, expected[k.element_size() * 8], elements * k.element_size())
         del key16, value16, key8, value8
         torch.cuda.empty_cache()
+
+
+def profile(pool: str) -> None:
+    seq_lens = workloads()["178 x 300-1500"]
+    key, value, tables = pools(seq_lens)
+    if pool == "fp8":
+        key, value = key.to(torch.float8_e4m3fn), value.to(torch.float8_e4m3fn)
+    query = torch.randn(len(seq_lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        paged_decode_attention(query, key, value, tables, lens, BOUND, HEAD_DIM**-0.5)
+    torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def decode_kernels() -> None:
                 kwargs.pop("launch_cooperative_grid", None)
                 resources, counts = sass_summary(compiled.warmup(*args, grid=grid, **kwargs))
                 interesting = {
-                    k: v for k, v in sorted(counts.items()) if re.match(r"(LDS|LDSM|F2F|PRMT|HMMA)", k)
+                    k: v for k, v in sorted(counts.items()) if re.match(r"(LDS|LDSM|F2F|PRMT|HMMA|STS|LDG|BAR)", k)
                 }
                 print(f"  {resources}, {sum(counts.values())} instructions: {interesting}")
 

@@ -37,6 +37,8 @@ class AttentionMetadata:
     max_seq_len: int
     slot_mapping: torch.Tensor | None = None  # int64 [T]: flat KV slot for each new token; -1 skips
     block_tables: torch.Tensor | None = None  # int32 [B, max_blocks]: KV block ids of each sequence
+    # int32 [B]: the sequences longest first, the order a batch's decode programs are launched in
+    seq_order: torch.Tensor | None = None
     # What a backend derives from the fields above, computed by the first layer and reused by the rest.
     derived: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 

@@ -189,6 +189,7 @@ class TritonAttentionBackend(AttentionBackend):
             pdl=self.pdl,
             new_tokens=new_tokens,
             rotation=rotation,
+            order=metadata.seq_order,
         )
 
 

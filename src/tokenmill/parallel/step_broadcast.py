@@ -29,6 +29,7 @@ STEP_FIELDS = (
     "input_ids",
     "positions",
     "seq_lens",
+    "seq_order",
     "query_start_loc",
     "sample_rows",
     "slot_mapping",

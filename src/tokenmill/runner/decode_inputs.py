@@ -18,7 +18,7 @@ from tokenmill.scheduler.output import ScheduledChunk
 
 # The static buffers: the step's inputs of one value per row (query_start_loc: one more), the rows of the
 # sampled tokens an overlapped step takes, and the block tables last (a step of P rows copies a prefix).
-_FLAT_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc")
+_FLAT_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "seq_order", "query_start_loc")
 _LAYOUT_FIELDS = (*_FLAT_FIELDS, "token_rows", "block_tables")
 
 
@@ -41,13 +41,14 @@ class DecodeInputs:
         self.capacity = capacity
         self.table_width = table_width
         sizes = {"query_start_loc": capacity + 1, "block_tables": capacity * table_width}
-        dtypes = {"seq_lens": torch.int32, "query_start_loc": torch.int32, "block_tables": torch.int32}
+        dtypes = dict.fromkeys(("seq_lens", "seq_order", "query_start_loc", "block_tables"), torch.int32)
         self.layout = PackedLayout(
             [(name, dtypes.get(name, torch.int64), sizes.get(name, capacity)) for name in _LAYOUT_FIELDS]
         )
         self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
         self.views = self.layout.views(self.buffer)
         self.views["block_tables"] = self.views["block_tables"].view(capacity, table_width)
+        self.views["seq_order"].copy_(torch.arange(capacity))  # a permutation before the first step, too
         self._staging = [HostStaging(self.layout, device) for _ in range(2)]
         self._turn = 0
 

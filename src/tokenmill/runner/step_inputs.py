@@ -141,9 +141,11 @@ def batch_step_arrays(
     num_tokens = int(lengths.sum())
     seq_of_token = np.repeat(np.arange(num_seqs), lengths)
     offsets = np.arange(num_tokens) - query_start_loc[:-1][:num_seqs][seq_of_token]
+    seq_lens = _padded(ends.astype(np.int32), pad, PADDING_SEQ_LEN)
     arrays = {
         "positions": _padded(starts[seq_of_token] + offsets, pad, 0),
-        "seq_lens": _padded(ends.astype(np.int32), pad, PADDING_SEQ_LEN),
+        "seq_lens": seq_lens,
+        "seq_order": np.argsort(-seq_lens, kind="stable").astype(np.int32),
         "query_start_loc": query_start_loc,
         "sample_rows": _sample_rows(chunks, query_start_loc[1:][:num_seqs].astype(np.int64)),
     }
@@ -166,6 +168,7 @@ def one_chunk_arrays(
     arrays: dict[str, np.ndarray] = {
         "positions": np.arange(start, end, dtype=np.int64),
         "seq_lens": np.array([end], np.int32),
+        "seq_order": np.zeros(1, np.int32),
         "query_start_loc": np.array([0, end - start], np.int32),
         "sample_rows": np.arange(end - start - chunk.num_sampled_rows, end - start, dtype=np.int64),
     }
@@ -200,4 +203,5 @@ def attention_metadata(
         max_seq_len=max_seq_len,
         slot_mapping=arrays.get("slot_mapping"),
         block_tables=arrays.get("block_tables"),
+        seq_order=arrays.get("seq_order"),
     )

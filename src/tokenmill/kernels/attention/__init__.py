@@ -38,6 +38,7 @@ from tokenmill.kernels.attention.plan import (
     PrefillConfig,
     default_decode_config,
     default_prefill_config,
+    launch_waves,
     plan_decode_split,
     plan_prefill_split,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "check_head_dim",
     "default_decode_config",
     "default_prefill_config",
+    "launch_waves",
     "paged_decode_attention",
     "paged_prefill_attention",
     "plan_decode_split",

@@ -91,6 +91,11 @@ def default_decode_config(
     return DecodeConfig(block_n, 4, 2)
 
 
+def launch_waves(num_programs: int, device: torch.device) -> int:
+    """Rounds of ``DECODE_PROGRAMS_PER_SM`` programs on every SM that a launch of ``num_programs`` takes."""
+    return cdiv(num_programs, DECODE_PROGRAMS_PER_SM * sm_count(device))
+
+
 def plan_decode_split(
     num_seqs: int,
     num_kv_heads: int,
