@@ -11,7 +11,7 @@ import pytest
 from engine_helpers import engine_for
 from spec_workloads import repetitive_workload, run_workload
 from tiny_models import save_tiny_model, tiny_configs
-from tokenmill import SamplingParams
+from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.config_flags import parse_speculative_config
 from tokenmill.engine.llm_engine import LLMEngine
@@ -116,6 +116,34 @@ def test_greedy_speculation_survives_chunking_prefix_hits_and_preemption(
     assert (stats.num_preemptions > 0) == tight_pool
     assert (stats.prefix_cache_hits > 0) == prefix_caching
     assert engine.kv_cache.manager.num_used_blocks == 0
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_ngram_guesses_as_without(tiny) -> None:  # type: ignore[no-untyped-def]
+    """n-gram guesses are decided by each position's own plain-step draw (seeded noise keyed by the seed
+    and the position), so a seeded request's tokens do not depend on whether, or how often, its steps
+    guessed: alone (guessing), in a batch (past the cutoff: plain steps) and without speculation."""
+    rng = random.Random(3)
+    pattern = [rng.randrange(3, 384) for _ in range(4)]
+    prompts = [[rng.randrange(3, 384) for _ in range(3)] + pattern * 4 for _ in range(3)]
+    seeded = [SamplingParams(temperature=0.1, max_tokens=24, seed=7 + i, ignore_eos=True) for i in range(3)]
+    fillers = [[rng.randrange(3, 384) for _ in range(6)] for _ in range(5)]
+    filler_params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def tokens(engine: LLMEngine, with_fillers: bool) -> list[list[int]]:
+        llm = LLM(engine=engine)
+        batch = prompts + (fillers if with_fillers else [])
+        params = seeded + ([filler_params] * len(fillers) if with_fillers else [])
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+        return [output.outputs[0].token_ids for output in outputs[: len(prompts)]]
+
+    plain = tokens(speculative_engine(tiny, speculative_config=None), False)
+    guessing = speculative_engine(tiny, speculative_disable_by_batch_size=4)
+    alone = [tokens(guessing, False)[0]]  # one at a time: every step may guess
+    alone += [tokens(guessing, False)[i] for i in (1, 2)]
+    stats = guessing.scheduler_stats().spec_decode
+    assert 0 < stats.num_accepted < stats.num_proposed  # guesses kept and guesses rejected
+    assert alone == plain
+    assert tokens(guessing, True) == plain  # 8 sequences: past the cutoff, plain steps
 
 
 def test_a_draft_whose_guesses_did_not_all_fit_catches_up_from_the_last_token(tiny) -> None:  # type: ignore[no-untyped-def]

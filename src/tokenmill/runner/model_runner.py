@@ -163,7 +163,7 @@ class ModelRunner:
         """Sample each chunk's next token; where a chunk has draft tokens, verify them instead (all the
         step's chunks then go through the rejection sampler: one read of the results)."""
         if any(chunk.num_draft_tokens for chunk in chunks):
-            result.sampled = verify_step(chunks, logits, self.vocab_size, self.structured)
+            result.sampled = verify_step(chunks, logits, self.vocab_size, self.structured, self.sampler)
             return PendingStep(chunks, None, result)
         return PendingStep(chunks, self._sample(chunks, logits), result)
 

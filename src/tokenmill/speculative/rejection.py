@@ -8,6 +8,12 @@ token drawn from ``max(0, p_r - q_r)`` normalised instead, and a sequence whose 
 emits a bonus token drawn from ``p`` at its last position (Leviathan et al. 2023; Chen et al. 2023).
 Greedy rows accept a draft token exactly when it is the argmax, and otherwise emit the argmax.
 
+Where every guess is one-hot (n-gram guesses, greedy drafts) the rule needs no noise of its own: each row
+draws from ``p_r`` as a plain step would there and keeps its guess when the draw equals it
+(:func:`accept_drawn`), which accepts ``d_r`` with probability ``p_r(d_r)`` and otherwise emits a draw
+from ``p_r`` without ``d_r``; the draws are the plain steps', so a seeded request's tokens are the same
+with speculation on or off.
+
 Everything here works on all rows at once on the device; :func:`accepted_prefixes` reads the result back
 in one transfer and walks each sequence's rows on the host.
 """
@@ -93,6 +99,9 @@ def verify(
     accepted, else a draw from the residual; rows without a draft, ``draft_ids`` -1, draw from ``p``).
     ``draft_probs``: ``[N, V]`` draft distributions (zero rows where there is no draft), or None where
     every draft is one-hot."""
+    if draft_probs is None:
+        drawn = sample_rows(target, noise)
+        return accept_drawn(drawn, draft_ids), drawn
     has_draft = draft_ids >= 0
     ids = draft_ids.clamp_min(0).unsqueeze(1)
     argmax = target.processed.argmax(dim=-1)
@@ -101,12 +110,8 @@ def verify(
         return greedy_accept, torch.where(greedy_accept, draft_ids, argmax)
     probs = target.probs
     p_draft = probs.gather(1, ids).squeeze(1)
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
-        residual = probs.scatter(1, ids, 0.0)
-    else:
-        q_draft = draft_probs.gather(1, ids).squeeze(1)
-        residual = (probs - draft_probs).clamp_min_(0.0)
+    q_draft = draft_probs.gather(1, ids).squeeze(1)
+    residual = (probs - draft_probs).clamp_min_(0.0)
     residual = torch.where(has_draft.unsqueeze(1), residual, probs)
     empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q up to rounding: fall back to p
     residual = torch.where(empty, probs, residual)
@@ -117,6 +122,12 @@ def verify(
     accept = torch.where(target.greedy, greedy_accept, sampled_accept)
     fallback = torch.where(target.greedy, argmax, recovered)
     return accept, torch.where(accept, draft_ids, fallback)
+
+
+def accept_drawn(drawn: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """One-hot guesses: a row keeps its guess exactly when the model's draw there equals it (the row then
+    emits its draw either way; rows without a guess, ``draft_ids`` -1, keep nothing)."""
+    return (draft_ids >= 0) & (drawn == draft_ids)
 
 
 def accepted_prefixes(accept: torch.Tensor, tokens: torch.Tensor, num_rows: Sequence[int]) -> list[list[int]]:

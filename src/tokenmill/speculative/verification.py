@@ -11,10 +11,10 @@ from collections.abc import Sequence
 import torch
 
 from tokenmill.outputs import RowLogprobs
-from tokenmill.runner.sampler import SamplingBatch, SamplingRow, gather_logprobs, takes_raw_argmax
+from tokenmill.runner.sampler import Sampler, SamplingBatch, SamplingRow, gather_logprobs, takes_raw_argmax
 from tokenmill.scheduler.output import ScheduledChunk
 from tokenmill.sequence import Sequence as Seq
-from tokenmill.speculative.rejection import RowNoise, accepted_prefixes, distributions, verify
+from tokenmill.speculative.rejection import RowNoise, accept_drawn, accepted_prefixes, distributions, verify
 from tokenmill.structured.bitmask import apply_token_bitmask
 from tokenmill.structured.manager import StructuredOutputs
 
@@ -39,8 +39,10 @@ def verify_step(
     logits: torch.Tensor,
     vocab_size: int,
     structured: StructuredOutputs | None,
+    sampler: Sampler,
 ) -> dict[Seq, list[tuple[int, RowLogprobs | None]]]:
-    """The tokens each sampled chunk keeps (``logits``: ``chunk.num_sampled_rows`` rows per chunk)."""
+    """The tokens each sampled chunk keeps (``logits``: ``chunk.num_sampled_rows`` rows per chunk);
+    ``sampler``: the plain steps' own, whose draws decide one-hot guesses."""
     seqs = [chunk.seq for chunk in chunks]
     if all(map(_keeps_raw_argmax, seqs)):  # greedy, nothing to edit: only the argmax is read back
         return _greedy_verification(chunks, logits.argmax(dim=-1).tolist())
@@ -54,14 +56,16 @@ def verify_step(
         bitmask = structured.bitmask(grammars)
     device = logits.device
     batch = SamplingBatch.build(rows, vocab_size, device, bitmask)
-    masked = logits.float()
-    if bitmask is not None:
-        masked = apply_token_bitmask(masked, bitmask)
-    target = distributions(masked, batch)
     draft_ids, draft_probs = _draft_tensors(chunks, vocab_size, device)
-    seeded = batch.draw.seeded_rows if batch.draw is not None else []
-    accept, tokens = verify(target, draft_ids, draft_probs, RowNoise(seeded))
-    logprobs = _logprobs(masked, tokens, batch)
+    if draft_probs is None:  # one-hot guesses: each row's plain-step draw decides (rejection.py)
+        drawn = sampler(logits, batch)
+        tokens, accept = drawn.token_ids, accept_drawn(drawn.token_ids, draft_ids)
+        logprobs = drawn.logprobs.to_rows(batch.num_logprobs) if drawn.logprobs is not None else []
+    else:
+        masked = logits.float() if bitmask is None else apply_token_bitmask(logits.float(), bitmask)
+        seeded = batch.draw.seeded_rows if batch.draw is not None else []
+        accept, tokens = verify(distributions(masked, batch), draft_ids, draft_probs, RowNoise(seeded))
+        logprobs = _logprobs(masked, tokens, batch)
     emitted = accepted_prefixes(accept, tokens, counts)
     out: dict[Seq, list[tuple[int, RowLogprobs | None]]] = {}
     first = 0
