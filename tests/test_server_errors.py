@@ -115,6 +115,12 @@ def test_unknown_model_is_a_404(client: openai.OpenAI, server: ServerThread) -> 
         ("stop", [""]),
         ("logit_bias", {"not-an-id": 1}),
         ("logit_bias", {"5": 1000}),
+        ("logit_bias", {"1_0": 1}),  # int() reads these two as 10
+        ("logit_bias", {" 10 ": 1}),
+        ("temperature", "0"),  # numbers are numbers: no strings or booleans in their place
+        ("temperature", True),
+        ("top_p", "0.5"),
+        ("presence_penalty", False),
         ("seed", "7"),
         ("n", 1000),
         ("priority", "high"),
@@ -173,10 +179,58 @@ def test_prompt_beyond_the_context_is_a_400_with_both_numbers(client: openai.Ope
         ("/tokenize", {}, "prompt"),
         ("/detokenize", {"tokens": [-1]}, "tokens"),
         ("/generate", {"max_tokens": 2}, "prompt"),
+        # a lone surrogate is not Unicode: no tokenizer takes it
+        ("/v1/completions", {"prompt": "Hi \ud800"}, "prompt"),
+        ("/v1/completions", {"prompt": ["Hi", "\udfff there"]}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+        ("/generate", {"prompt": "\ud800"}, "prompt"),
+        ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": "1"}}, "logit_bias.5"),
+        # continuing a final message: the same checks as on the chat route
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True},
+            "continue_final_message",
+        ),
+        # a request's own template: refused as a field and inside chat_template_kwargs
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "chat_template_kwargs": {"chat_template": "{{ 'x' }}"},
+            },
+            "chat_template_kwargs",
+        ),
     ],
 )
 def test_malformed_bodies_are_400s(server: ServerThread, path: str, body: Any, param: str | None) -> None:
     assert_error(post(server, path, body), 400, param)
+
+
+def test_text_too_long_for_the_context_is_refused_before_tokenizing(
+    server: ServerThread, context: ServerContext
+) -> None:
+    """Longer than the context holds even at the vocabulary's longest token per position: a 400 at once,
+    without tokenizing it (for megabytes of text that takes seconds)."""
+    longest = MAX_MODEL_LEN * context.tokenizer.max_token_chars
+    error = assert_error(post(server, "/v1/completions", {"prompt": "x" * (longest + 1)}), 400, "prompt")
+    assert f"{longest + 1:,} characters" in error["message"], error
+    chat = {"messages": [{"role": "user", "content": "y" * (longest + 1)}]}
+    assert_error(post(server, "/v1/chat/completions", chat), 400, "messages")
+    # at the bound it is tokenized, and refused for its token count as any long prompt is
+    error = assert_error(post(server, "/v1/completions", {"prompt": "x" * longest, "max_tokens": 1}), 400)
+    assert "characters" not in error["message"] and str(MAX_MODEL_LEN) in error["message"], error
+
+
+def test_created_is_the_time_of_the_request(client: openai.OpenAI, context: ServerContext) -> None:
+    wait_until(lambda: int(time.time()) > context.created)  # at most a second after the server started
+    before = int(time.time())
+    completion = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+    )
+    assert before <= completion.created <= time.time() and before <= chat.created <= time.time()
 
 
 def test_api_key_is_required_on_model_routes(server: ServerThread) -> None:

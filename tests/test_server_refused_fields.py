@@ -84,16 +84,25 @@ def test_fields_no_one_defines_are_ignored_with_a_debug_log(
     assert not any("prompt_cache_key" in message for message in logged)  # an OpenAI hint, not unknown
 
 
-@pytest.mark.parametrize(
-    "field", ["prompt_logprobs", "return_token_ids", "truncate_prompt_tokens", "request_id"]
-)
+GENERATE_REFUSES = {
+    "prompt_logprobs": 1,
+    "return_token_ids": True,
+    "truncate_prompt_tokens": 2,
+    "request_id": "r",
+    "stream": True,
+    "logprobs": 2,
+    "echo": True,
+    "best_of": 2,
+    "suffix": "!",
+}
+
+
+@pytest.mark.parametrize("field", list(GENERATE_REFUSES))
 def test_generate_refuses_the_extras_it_cannot_answer(server: ServerThread, field: str) -> None:
-    value: Any = {
-        "prompt_logprobs": 1,
-        "return_token_ids": True,
-        "truncate_prompt_tokens": 2,
-        "request_id": "r",
-    }[field]
-    response = post(server, "/generate", {"prompt": "Hello", "max_tokens": 2, field: value})
+    """/generate's answer is one plain JSON object: the completions route's extras (streaming,
+    logprobs, echo, ...) are refused by name, not ignored; their no-op values are fine."""
+    response = post(server, "/generate", {"prompt": "Hello", "max_tokens": 2, field: GENERATE_REFUSES[field]})
     assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
     assert post(server, "/generate", {"prompt": "Hello", "max_tokens": 2}).status_code == 200
+    no_ops = {"prompt": "Hello", "max_tokens": 2, "stream": False, "echo": False, "logprobs": None}
+    assert post(server, "/generate", no_ops).status_code == 200

@@ -97,6 +97,16 @@ def test_a_choice_allows_exactly_its_prefixes(
     walk(backend, grammar.matcher(), "no", token_texts, choices, eos)
 
 
+def test_thousands_of_choices_keep_to_their_language(
+    backend: GrammarBackend, token_texts: list[str], smollm2
+) -> None:  # type: ignore[no-untyped-def]
+    """5,000 choices (llguidance refused a parser rule of more than 2,000 alternatives at the first
+    token; the choices are one lexer terminal now)."""
+    choices = {f"{i} of many" for i in range(5000)}
+    grammar = backend.compile(StructuredOutputsParams(choice=sorted(choices)).spec())
+    walk(backend, grammar.matcher(), "4321 of many", token_texts, choices, set(smollm2.eos_token_ids))
+
+
 def test_a_regex_allows_exactly_the_prefixes_of_its_strings(
     backend: GrammarBackend, token_texts: list[str], smollm2
 ) -> None:  # type: ignore[no-untyped-def]

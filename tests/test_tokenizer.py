@@ -219,6 +219,28 @@ def test_chat_content_parts_are_flattened(smollm2: Case) -> None:
     assert flattened == plain
 
 
+def test_text_that_is_not_unicode_is_refused_by_name(real: Case) -> None:
+    """A lone surrogate (valid in a Python string, not in Unicode) names itself and where it is, as a
+    TokenizerError (the server's 400), not the Rust tokenizer's TypeError."""
+    with pytest.raises(TokenizerError, match=r"lone surrogate, U\+D800 at character 3"):
+        real.tokenizer.encode("abc\ud800def")
+
+
+def test_a_chat_of_no_messages_or_no_unicode_is_refused_by_name(smollm2: Case) -> None:
+    with pytest.raises(TokenizerError, match=r"lone surrogate, U\+DFFF"):
+        smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "\udfff"}], tokenize=True)
+    with pytest.raises(TokenizerError, match="at least one message"):
+        smollm2.tokenizer.apply_chat_template([])
+
+
+def test_max_token_chars_bounds_every_token_text(real: Case) -> None:
+    """No token decodes to more characters than ``max_token_chars`` (the server refuses a prompt longer
+    than the context times this before tokenizing it)."""
+    longest = real.tokenizer.max_token_chars
+    texts = real.hf.batch_decode([[token] for token in range(len(real.hf))], skip_special_tokens=False)
+    assert max(map(len, texts)) <= longest
+
+
 def test_chat_non_text_part_is_refused(smollm2: Case) -> None:
     parts = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
     with pytest.raises(TokenizerError, match="only text parts"):

@@ -26,7 +26,9 @@ from tokenmill.server.engine_handle import Engine, facts_of
 from tokenmill.server.errors import bad_request, install_error_handlers
 from tokenmill.server.generation import ClientDisconnectedError, ServerContext, ServerSettings
 from tokenmill.server.metrics import CONTENT_TYPE
+from tokenmill.server.prompts import encode
 from tokenmill.server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, as_dict
+from tokenmill.server.request_checks import check_continue_final_message
 from tokenmill.server.request_gate import RequestGate
 from tokenmill.server.responses import client_disconnected_handler, context
 
@@ -71,14 +73,20 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     ctx.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
-    if body.messages is not None:
+    messages, prompt = body.messages, body.prompt
+    if messages is not None and body.continue_final_message:
+        check_continue_final_message(body)
+
+    def tokenized() -> list[int]:
+        if messages is None:
+            assert prompt is not None
+            return encode(ctx, prompt, "prompt", body.add_special_tokens)
         continuing = {"continue_final_message": True} if body.continue_final_message else {}
         adds_prompt = body.add_generation_prompt and not body.continue_final_message
-        text = render_chat(ctx, body.messages, adds_prompt, None, **continuing)
-    else:
-        assert body.prompt is not None
-        text = body.prompt
-    tokens = ctx.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        text = render_chat(ctx, messages, adds_prompt, None, **continuing)
+        return encode(ctx, text, "messages", body.add_special_tokens)
+
+    tokens = await ctx.run_text_work(tokenized)
     answer: dict[str, Any] = {
         "tokens": tokens,
         "count": len(tokens),
@@ -125,6 +133,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             yield
         finally:
             ctx.engine_loop.stop()
+            ctx.close()
 
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.context = ctx

@@ -43,6 +43,8 @@ router = APIRouter()
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message"}
 )
+# A request's own template is refused as a field (request_checks.py), and so inside chat_template_kwargs.
+_REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template"})
 
 
 def render_chat(
@@ -84,10 +86,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = chat_params(body)
     constraint = structured_outputs_of(body, tool_choice_constraint(body))
     params = await constrained(ctx.grammars, params, constraint)
-    text = render_chat(
-        ctx, body.messages, _adds_generation_prompt(body), tools_for_template(body), **_options(body)
-    )
-    prompt = engine_prompt(ctx, text, body.add_special_tokens, body.truncate_prompt_tokens)
+    options = _options(body)
+
+    def prompt_ids() -> str | list[int]:
+        tools = tools_for_template(body)
+        text = render_chat(ctx, body.messages, _adds_generation_prompt(body), tools, **options)
+        return engine_prompt(ctx, text, body.add_special_tokens, body.truncate_prompt_tokens, "messages")
+
+    prompt = await ctx.run_text_work(prompt_ids)
     generation = await ctx.start([prompt], params, request, body.priority)
     view = _ChatView(ctx, body, generation)
     if body.stream:
@@ -102,6 +108,12 @@ def _adds_generation_prompt(body: ChatCompletionRequest) -> bool:
 
 def _options(body: ChatCompletionRequest) -> dict[str, Any]:
     options = dict(body.chat_template_kwargs or {})
+    refused = sorted(_REFUSED_TEMPLATE_KWARGS & set(options))
+    if refused:
+        raise bad_request(
+            f"chat_template_kwargs may not set {refused[0]}: the server renders the model's own template",
+            "chat_template_kwargs",
+        )
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(options))
     if reserved:
         raise bad_request(
@@ -151,7 +163,7 @@ class _ChatView:
         ]
         return ChatCompletionResponse(
             id=self.id,
-            created=self.ctx.created,
+            created=self.generation.created,
             model=self.ctx.settings.served_model_name,
             choices=choices,
             usage=usage_info(self.generation, sum(len(result.token_ids) for result in results)),
@@ -246,7 +258,7 @@ class _ChatView:
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.id,
-            created=self.ctx.created,
+            created=self.generation.created,
             model=self.ctx.settings.served_model_name,
             choices=choices,
             usage=usage,

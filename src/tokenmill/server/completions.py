@@ -65,10 +65,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = normalise_prompts(body.prompt)
     params = completion_params(body, len(prompts))
     params = await constrained(ctx.grammars, params, structured_outputs_of(body))
-    engine_prompts = [
-        engine_prompt(ctx, prompt, None if body.add_special_tokens else False, body.truncate_prompt_tokens)
-        for prompt in prompts
-    ]
+    special = None if body.add_special_tokens else False
+    engine_prompts = await ctx.run_text_work(
+        lambda: [engine_prompt(ctx, prompt, special, body.truncate_prompt_tokens) for prompt in prompts]
+    )
     generation = await ctx.start(engine_prompts, params, request, body.priority)
     view = _CompletionView(ctx, body, params, prompts, generation)
     if body.stream:
@@ -108,7 +108,7 @@ class _CompletionView:
         choices = [self._choice(index, result) for index, result in enumerate(results)]
         return CompletionResponse(
             id=self.id,
-            created=self.ctx.created,
+            created=self.generation.created,
             model=self.ctx.settings.served_model_name,
             choices=choices,
             usage=usage_info(self.generation, sum(len(result.token_ids) for result in results)),
@@ -215,7 +215,7 @@ class _CompletionView:
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionResponse:
         return CompletionResponse(
             id=self.id,
-            created=self.ctx.created,
+            created=self.generation.created,
             model=self.ctx.settings.served_model_name,
             choices=choices,
             usage=usage,
@@ -224,6 +224,8 @@ class _CompletionView:
 
 # vLLM's extras that /v1/completions answers and /generate's plain answer has no place for.
 _NOT_ON_GENERATE = ("prompt_logprobs", "return_token_ids", "truncate_prompt_tokens", "request_id")
+# /v1/completions' own fields, which /generate would otherwise take as unknown extras and ignore.
+_COMPLETIONS_ONLY = ("logprobs", "echo", "best_of", "suffix")
 
 
 @router.post("/generate", response_model=None)
@@ -232,12 +234,16 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     ctx = context(request)
     ctx.check_model(body.model)
     check_sequence_count(body.n, 1)
-    for name in _NOT_ON_GENERATE:
-        if name in body.model_fields_set:
-            raise bad_request(f"'{name}' is not supported on /generate; use /v1/completions", name)
+    extra = body.model_extra or {}
+    asked = [name for name in _NOT_ON_GENERATE if name in body.model_fields_set]
+    asked += [name for name in _COMPLETIONS_ONLY if extra.get(name) not in (None, False)]
+    asked += ["stream"] if body.stream else []  # its answer is one JSON object
+    if asked:
+        raise bad_request(f"'{asked[0]}' is not supported on /generate; use /v1/completions", asked[0])
     params = make_params(body, max_tokens=body.max_tokens)
     params = await constrained(ctx.grammars, params, structured_outputs_of(body))
-    generation = await ctx.start([body.prompt], params, request, body.priority)
+    prompt = await ctx.run_text_work(lambda: engine_prompt(ctx, body.prompt, None, None))
+    generation = await ctx.start([prompt], params, request, body.priority)
 
     def build(results: list[ChoiceResult]) -> dict[str, Any]:
         completion_tokens = sum(len(result.token_ids) for result in results)

@@ -13,8 +13,10 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -28,6 +30,8 @@ from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.streams import RequestStream
 from tokenmill.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 # How often a waiting handler checks its client and deadline.
 _POLL_S = 0.1
@@ -86,6 +90,16 @@ class ServerContext:
         self.engine_loop, self.grammars = connect(engine, self.metrics)
         self.created = int(time.time())
         self._ids = itertools.count()
+        # One thread: a fast tokenizer is not to be used from two threads at once.
+        self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-text")
+
+    async def run_text_work(self, work: Callable[[], T]) -> T:
+        """Run ``work`` (rendering a chat template, tokenizing) in the server's text thread: the event loop
+        goes on streaming the other requests' tokens meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._text_thread, work)
+
+    def close(self) -> None:
+        self._text_thread.shutdown(wait=False, cancel_futures=True)
 
     @property
     def max_model_len(self) -> int:
@@ -176,6 +190,7 @@ class Generation:
         self.engine_loop = engine_loop
         self.chunk_tokens = chunk_tokens
         self.n = n
+        self.created = int(time.time())  # the responses' "created"
         self.deadline = deadline
         self.client = client  # watched for a disconnect while set
         self.stream = RequestStream()

@@ -12,7 +12,7 @@ here; ranges are checked by ``SamplingParams``, whose errors name the parameter.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 # Text, texts, token ids, or lists of token ids.
 PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
@@ -65,19 +65,19 @@ class SamplingRequest(_Body):
 
     model: StrictStr | None = None
     n: StrictInt = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
-    min_p: float | None = None
+    min_p: StrictFloat | None = None
     seed: Int64 | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     skip_special_tokens: StrictBool = True
     user: StrictStr | None = None
     stream: StrictBool = False

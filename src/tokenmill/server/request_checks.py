@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from tokenmill.server.errors import bad_request
-from tokenmill.server.protocol import ChatCompletionRequest, SamplingRequest
+from tokenmill.server.protocol import ChatCompletionRequest, SamplingRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
 
@@ -68,16 +68,16 @@ def check_request(body: SamplingRequest) -> None:
             f"truncate_prompt_tokens must be -1 or an integer >= 1, got {truncate}", "truncate_prompt_tokens"
         )
     if isinstance(body, ChatCompletionRequest) and body.continue_final_message:
-        _check_continue_final_message(body)
+        check_continue_final_message(body)
 
 
-def _check_continue_final_message(body: ChatCompletionRequest) -> None:
+def check_continue_final_message(body: ChatCompletionRequest | TokenizeRequest) -> None:
     """Continuing the last message adds no generation prompt; asking for both explicitly is refused."""
     if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
         raise bad_request(
             "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
         )
-    if body.messages[-1].role != "assistant":
+    if not body.messages or body.messages[-1].role != "assistant":
         raise bad_request(
             "continue_final_message needs the last message to be the assistant's", "continue_final_message"
         )

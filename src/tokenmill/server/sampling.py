@@ -1,5 +1,6 @@
 """From request bodies to ``SamplingParams``: OpenAI names and defaults in, validated engine params out."""
 
+import re
 from typing import Any
 
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -19,6 +20,8 @@ _OPTIONAL_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
 )
+
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # as int() reads, less the spaces, "+" and "_" it also takes
 
 
 def completion_params(body: CompletionRequest, num_prompts: int) -> SamplingParams:
@@ -83,10 +86,11 @@ def parse_logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI sends token ids as JSON object keys, so as strings."""
     if raw is None:
         return None
-    try:
-        return {int(key): value for key, value in raw.items()}
-    except ValueError:
-        raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+    bad = next((key for key in raw if not _TOKEN_ID_KEY.fullmatch(key)), None)
+    if bad is not None:
+        message = f"logit_bias keys must be token ids (integers as strings), got {bad!r}"
+        raise bad_request(message, "logit_bias")
+    return {int(key): value for key, value in raw.items()}
 
 
 def _param_error(message: str) -> APIError:

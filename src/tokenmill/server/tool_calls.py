@@ -73,8 +73,8 @@ def required_schema(tools: list[ChatTool]) -> dict[str, Any]:
     return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
 
-def _describe(choice: object) -> str:
-    return repr(choice) if isinstance(choice, str) else f"'{getattr(choice, 'function', choice)}'"
+def _describe(choice: str | NamedToolChoice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"naming the function {choice.function.name!r}"
 
 
 def _call_id() -> str:

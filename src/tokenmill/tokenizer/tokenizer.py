@@ -96,13 +96,23 @@ class Tokenizer:
         return bool(self.hf_tokenizer.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self.hf_tokenizer.encode(text, add_special_tokens=False)
+        try:
+            ids: list[int] = self.hf_tokenizer.encode(text, add_special_tokens=False)
+        except TypeError:  # what the Rust tokenizer says of text it cannot take, e.g. a lone surrogate
+            raise TokenizerError(_untokenizable(text)) from None
         if not add_special_tokens:
             return ids
         prefix = self._prefix_ids
         if prefix and prefix[-1] == self.bos_token_id and ids[:1] == prefix[-1:]:
             prefix = prefix[:-1]  # the text brings its own BOS, as chat templates often do
         return [*prefix, *ids, *self._suffix_ids]
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token's text can hold (its vocabulary entry's length bounds it: a
+        byte-level or SentencePiece entry has a character per byte or more): text longer than this many
+        times a limit cannot fit in that many tokens."""
+        return max(map(len, self.hf_tokenizer.get_vocab()), default=1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of "tokenization spaces": the text is exactly what the model produced, and the
@@ -162,6 +172,8 @@ class Tokenizer:
                 "this model has no chat template (its tokenizer files define none), so chat messages "
                 "cannot be rendered; send a plain text prompt instead"
             )
+        if not messages:
+            raise TokenizerError("a chat needs at least one message; got none")
         conversation = [_flatten_message(message) for message in messages]
         try:
             rendered = self.hf_tokenizer.apply_chat_template(
@@ -171,6 +183,16 @@ class Tokenizer:
             raise TokenizerError(f"the model's chat template rejected the messages: {exc}") from None
         text = str(rendered)
         return self.encode(text) if tokenize else text
+
+
+def _untokenizable(text: str) -> str:
+    surrogate = next((i for i, char in enumerate(text) if "\ud800" <= char <= "\udfff"), None)
+    if surrogate is None:
+        return f"the text could not be tokenized: {text[:40]!r}"
+    return (
+        f"the text holds a lone surrogate, U+{ord(text[surrogate]):04X} at character {surrogate}: it is not "
+        "valid Unicode, and no tokenizer takes it"
+    )
 
 
 def _find_sublist(haystack: list[int], needle: list[int]) -> int | None:
