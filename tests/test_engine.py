@@ -2,13 +2,16 @@
 transformers), each request run alone, and a naive allocator model."""
 
 import random
+import re
 
+import numpy as np
 import pytest
 import torch
 
 from engine_helpers import engine_for, llm_for, run_to_completion
-from tokenmill import SamplingParams
+from tokenmill import LLM, SamplingParams
 from tokenmill.engine.llm_engine import InvalidRequestError
+from tokenmill.errors import TokenmillError
 from tokenmill.loading import load_model
 from tokenmill.reference import greedy_generate
 
@@ -191,6 +194,31 @@ def test_engine_option_errors_name_the_option(tiny) -> None:  # type: ignore[no-
         engine_for(tiny, max_model_len=128, max_num_batched_tokens=64, chunked_prefill=False)
     with pytest.raises(ValueError, match="admission_headroom"):
         engine_for(tiny, admission="lookahead", admission_headroom=0.5)
+
+
+def test_offline_inputs_of_the_wrong_type_are_named(tiny) -> None:  # type: ignore[no-untyped-def]
+    """What ``LLM.generate`` is handed is checked by name: no AttributeError from deep inside, and no
+    token ids read out of floats or strings; numpy's integers are integers."""
+    llm = LLM(engine=engine_for(tiny))
+    ids = {"prompt_token_ids": [1, 2]}
+    cases = [
+        ((ids, {"temperature": 0}), "sampling_params must be a SamplingParams"),
+        (([ids], [{"temperature": 0}]), "sampling_params must be a SamplingParams"),
+        (({"prompt_token_ids": "hello"},), "prompt_token_ids must be a list of token ids, got 'hello'"),
+        (({"prompt_token_ids": [1.7, 2.2]},), "prompt token ids must be integers, got 1.7"),
+        (({"prompt_token_ids": ["12", "13"]},), "prompt token ids must be integers, got '12'"),
+        (({"prompt_token_ids": [True]},), "prompt token ids must be integers, got True"),
+        ((None,), "prompts must be a prompt or a list of prompts, got None"),
+        (([7],), "a prompt must be a string or a dict"),
+    ]
+    for args, message in cases:
+        with pytest.raises(TokenmillError, match=re.escape(message)):
+            llm.generate(*args)  # type: ignore[arg-type]
+        assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(
+        {"prompt_token_ids": np.array([1, 2])}, SamplingParams(max_tokens=1, stop_token_ids=None)
+    )
+    assert out[0].prompt_token_ids == [1, 2] and len(out[0].outputs[0].token_ids) == 1
 
 
 def test_stop_strings_cut_the_text_and_streams_add_up(smollm2) -> None:  # type: ignore[no-untyped-def]

@@ -9,7 +9,13 @@ name, unique across groups, which is its command-line flag (``--max-num-seqs``) 
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from tokenmill.config_checks import require, require_at_least_one, require_choice
+from tokenmill.config_checks import (
+    require,
+    require_at_least_one,
+    require_choice,
+    require_consistent_groups,
+    require_types,
+)
 from tokenmill.config_speculative import SpeculativeConfig, speculative_options
 
 KVCacheMode = Literal["none", "contiguous", "paged"]
@@ -55,6 +61,7 @@ class KVCacheConfig:
     kv_cache_dtype: KVCacheDtype = "auto"
 
     def __post_init__(self) -> None:
+        require_types(self, _flat_names("kv"))
         require_choice("kv_cache", self.mode, ("none", "contiguous", "paged"))
         require_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8", "fp8_e4m3"))
         require(self.block_size >= 1, "block_size", "at least 1", self.block_size)
@@ -94,6 +101,7 @@ class SchedulerConfig:
     admission_headroom: float = 0.0  # with admission="headroom": the share of remaining output kept free
 
     def __post_init__(self) -> None:
+        require_types(self, _flat_names("scheduler"))
         require_choice("batching", self.batching, ("sequential", "static", "continuous"))
         require_choice("scheduling_policy", self.policy, ("fcfs", "priority"))
         require_choice("admission", self.admission, ("fit", "headroom", "lookahead"))
@@ -101,6 +109,12 @@ class SchedulerConfig:
         require_at_least_one("max_num_batched_tokens", self.max_num_batched_tokens)
         require_at_least_one("prefill_chunk_size", self.prefill_chunk_size)
         require(0 <= self.admission_headroom <= 1, "admission_headroom", "in [0, 1]", self.admission_headroom)
+        require(
+            not (self.prefill_chunk_size and self.chunked_prefill is False),
+            "prefill_chunk_size",
+            "unset when chunked_prefill is off (it caps the chunks a prompt is split into)",
+            self.prefill_chunk_size,
+        )
         require(
             not (self.admission_headroom and self.admission != "headroom"),
             "admission_headroom",
@@ -177,6 +191,7 @@ class KernelConfig:
     programmatic_launch: bool | None = None
 
     def __post_init__(self) -> None:
+        require_types(self, _flat_names("kernels"))
         require_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton", "cpu"))
         require_choice("gguf_activations", self.gguf_activations, ("float32", "int16", "int8"))
         for name in (*FUSED_KERNEL_TOGGLES, "programmatic_launch"):
@@ -217,6 +232,7 @@ class CudaGraphConfig:
     overlap_decode: bool | None = None
 
     def __post_init__(self) -> None:
+        require_types(self, _flat_names("graphs"))
         require(self.max_batch_size >= 1, "cuda_graph_max_batch_size", "at least 1", self.max_batch_size)
         require(
             not (self.overlap_decode and self.enabled is False),
@@ -271,6 +287,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
+        require_types(self)
         require_at_least_one("max_model_len", self.max_model_len)
         require_choice("quantization", self.quantization, ("auto", "none", "int8", "fp8", "gguf"))
         require_at_least_one("tensor_parallel_size", self.tensor_parallel_size)
@@ -279,31 +296,7 @@ class EngineConfig:
         require_choice(
             "structured_output_backend", self.structured_output_backend, ("llguidance", "xgrammar")
         )
-        require(
-            not (self.scheduler.chunked_prefill and self.kv.mode == "none"),
-            "chunked_prefill",
-            "off when kv_cache is 'none' (a recomputed sequence has no cache to continue from)",
-            self.scheduler.chunked_prefill,
-        )
-        require(
-            not (self.graphs.enabled and self.kernels.attention_backend == "torch"),
-            "cuda_graphs",
-            "off when attention_backend is 'torch' (its KV write reads a mask back to the host, which a "
-            "CUDA graph cannot capture)",
-            self.graphs.enabled,
-        )
-        require(
-            not (self.push_all_reduce and self.custom_all_reduce is False),
-            "push_all_reduce",
-            "off when custom_all_reduce is off (the push kernel is part of the symmetric-memory path)",
-            self.push_all_reduce,
-        )
-        require(
-            not (self.graphs.enabled and self.kv.mode == "none"),
-            "cuda_graphs",
-            "off when kv_cache is 'none' (without a cache no step is a one-token decode)",
-            self.graphs.enabled,
-        )
+        require_consistent_groups(self)
 
     def with_options(self, **options: Any) -> "EngineConfig":
         """A copy with settings changed by their flat names (see :data:`FLAT_OPTIONS`); a vLLM-style
@@ -368,6 +361,11 @@ _ALIASES: dict[str, tuple[str, str]] = {
     "speculative_disable_by_batch_size": ("speculative", "disable_by_batch_size"),
     "cuda_graph_prefill": ("graphs", "prefill"),
 }
+
+
+def _flat_names(group: str) -> dict[str, str]:
+    """Field -> flat name, for the fields of ``group`` whose flat name differs."""
+    return {field_name: flat for flat, (owner, field_name) in _ALIASES.items() if owner == group}
 
 
 def _flat_options() -> dict[str, tuple[str | None, str]]:

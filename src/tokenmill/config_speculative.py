@@ -4,7 +4,7 @@ takes speculative decoding's settings: one dict, its keys as vLLM names them, re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tokenmill.config_checks import require, require_at_least_one, require_choice
+from tokenmill.config_checks import require, require_at_least_one, require_choice, require_types
 
 SpeculativeMethod = Literal["ngram", "draft_model"]
 
@@ -59,6 +59,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
+        require_types(self, SPECULATIVE_CONFIG_KEYS)
         require(
             self.method in (None, "ngram", "draft_model"),
             "speculative_method",
@@ -86,6 +87,20 @@ class SpeculativeConfig:
         )
         require_choice("speculative_load_format", self.load_format, ("auto", "dummy"))
         require_at_least_one("speculative_disable_by_batch_size", self.disable_by_batch_size)
+        if self.method is None:
+            for name, value in self._changed_method_settings():
+                require(False, name, "left unset without a speculative method (ngram, draft_model)", value)
+
+    def _changed_method_settings(self) -> list[tuple[str, object]]:
+        """(flat name, value) of the settings only a method reads that differ from their defaults (vLLM
+        refuses them without a method too)."""
+        fields = SpeculativeConfig.__dataclass_fields__
+        names = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "load_format")
+        values = {name: getattr(self, name) for name in names}
+        changed = [(name, value) for name, value in values.items() if value != fields[name].default]
+        if self.disable_by_batch_size is not None:
+            changed.append(("disable_by_batch_size", self.disable_by_batch_size))
+        return [(SPECULATIVE_CONFIG_KEYS[name], value) for name, value in changed]
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,7 @@
 """The offline API: ``LLM(model).generate(prompts, sampling_params)`` in the shape users know from vLLM."""
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeAlias, cast
 
 from tokenmill.config import EngineConfig
@@ -49,6 +49,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in the order given. ``priority`` (one for all prompts, or one
         per prompt; lower is served first) needs ``scheduling_policy="priority"``."""
+        if not isinstance(prompts, str | Mapping | Iterable):
+            raise TokenmillError(f"prompts must be a prompt or a list of prompts, got {prompts!r}")
         prompt_list = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
         params_list = _params_per_prompt(sampling_params, len(prompt_list))
         priorities = _priority_per_prompt(priority, len(prompt_list))
@@ -113,11 +115,16 @@ def _split_prompt(prompt: Prompt) -> tuple[str | None, str | list[int]]:
     """(the prompt's text if known, what to tokenize or the token ids)."""
     if isinstance(prompt, str):
         return prompt, prompt
-    if "prompt_token_ids" in prompt:
-        return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-    if "prompt" in prompt:
+    if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+            raise TokenmillError(f"prompt_token_ids must be a list of token ids, got {ids!r}")
+        return prompt.get("prompt"), list(ids)
+    if isinstance(prompt, Mapping) and "prompt" in prompt:
         return str(prompt["prompt"]), str(prompt["prompt"])
-    raise TokenmillError("a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids'")
+    raise TokenmillError(
+        f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}"
+    )
 
 
 def _params_per_prompt(
@@ -127,6 +134,10 @@ def _params_per_prompt(
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, Sequence) or not all(isinstance(p, SamplingParams) for p in params):
+        raise TokenmillError(
+            f"sampling_params must be a SamplingParams or a list of them (one per prompt), got {params!r}"
+        )
     if len(params) != count:
         raise TokenmillError(f"got {len(params)} sampling params for {count} prompts")
     return list(params)

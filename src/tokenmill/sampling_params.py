@@ -31,9 +31,20 @@ def _require_finite_in(name: str, value: object, low: float, high: float, requir
     _require(ok, name, requirement, value)
 
 
+def _normalise_stop_token_ids(stop_token_ids: Sequence[int] | None) -> list[int]:
+    """A list (None, as vLLM takes it, is none); the ids themselves are checked with the others."""
+    if stop_token_ids is None:
+        return []
+    if isinstance(stop_token_ids, str | bytes) or not isinstance(stop_token_ids, Sequence):
+        _require(False, "stop_token_ids", "a list of ids >= 0", stop_token_ids)
+    return list(stop_token_ids)
+
+
 def _normalise_stop(stop: Sequence[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
+    if not isinstance(stop, str | Sequence):
+        _require(False, "stop", "a non-empty string or list of them", stop)
     strings = (stop,) if isinstance(stop, str) else tuple(stop)
     for text in strings:
         _require(isinstance(text, str) and text != "", "stop", "a non-empty string or list of them", stop)
@@ -79,7 +90,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         self._validate_sampling()
         self._validate_penalties()
         self._validate_lengths()

@@ -113,6 +113,8 @@ def auto_speculative_tokens(method: str | None, device: torch.device, packed_ggu
 
 def _resolve_speculative(config: EngineConfig, platform: Platform) -> SpeculativeConfig:
     spec = config.speculative
+    if spec.method is None:  # off: its settings stay unset (set, they would be refused)
+        return spec
     gpu = platform.device.type == "cuda"
     if spec.num_speculative_tokens is None:
         packed_gguf = config.quantization == "gguf" and not gpu

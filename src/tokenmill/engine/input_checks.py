@@ -1,5 +1,6 @@
 """Checks a request passes before the engine queues it; each error names the parameter and the limit."""
 
+import operator
 from collections.abc import Sequence
 
 from tokenmill.errors import TokenmillError
@@ -27,13 +28,20 @@ def prompt_token_ids(prompt: str | Sequence[int], tokenizer: Tokenizer | None, v
             raise InvalidRequestError("this model has no tokenizer: pass prompt token ids instead of text")
         ids = tokenizer.encode(prompt)
     else:
-        ids = [int(t) for t in prompt]
+        ids = [_token_id(t) for t in prompt]
     if not ids:
         raise InvalidRequestError("the prompt is empty")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     return ids
+
+
+def _token_id(token: object) -> int:
+    """An integer token id as it is (numpy's integers too); a float, string or bool is refused, not read."""
+    if isinstance(token, bool) or not hasattr(token, "__index__"):
+        raise InvalidRequestError(f"prompt token ids must be integers, got {token!r}")
+    return operator.index(token)
 
 
 def resolve_max_tokens(
