@@ -100,6 +100,8 @@ def test_a_bad_engine_flag_value_is_refused_by_the_parser(capsys: Any) -> None:
         (["generate", "hi", "--prompt-token-ids", "1,x"], "expected token ids"),
         (["generate", "hi", "--model", "llama-3.2-1b", "--load-format", "dummy"], "--tokenizer"),
         (["chat", "--model", "gpt2", "--load-format", "dummy"], "--tokenizer"),
+        (["serve", "--request-timeout", "nan"], "--request-timeout must be a number of seconds > 0"),
+        (["generate", "hi", "--num-speculative-tokens", "4"], "left unset without a speculative method"),
     ],
 )
 def test_help_and_bad_flags_answer_without_importing_torch(argv: list[str], message: str | None) -> None:

@@ -215,6 +215,9 @@ def test_offline_inputs_of_the_wrong_type_are_named(tiny) -> None:  # type: igno
         with pytest.raises(TokenmillError, match=re.escape(message)):
             llm.generate(*args)  # type: ignore[arg-type]
         assert not llm.engine.has_unfinished_requests()
+    for priority in (1.0, "12"):
+        with pytest.raises(TokenmillError, match=f"priority must be an integer, .* got {priority!r}"):
+            llm.generate([ids, ids], priority=priority)  # type: ignore[arg-type]
     out = llm.generate(
         {"prompt_token_ids": np.array([1, 2])}, SamplingParams(max_tokens=1, stop_token_ids=None)
     )

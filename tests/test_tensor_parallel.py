@@ -217,6 +217,30 @@ def test_killed_worker_ends_the_engine_with_an_error_naming_its_rank(folders: di
         engine.step()
 
 
+def test_an_interrupted_step_stops_the_workers_and_says_so_at_once(folders: dict[str, Path]) -> None:
+    """Ctrl-C inside a step (here raised between two layers of rank 0, as a SIGINT lands) leaves the ranks
+    in different collectives: the workers are stopped, the interrupt reaches the caller, and the next call
+    fails at once naming the interruption (it used to hang for the collective timeout, then blame a
+    worker)."""
+    llm = LLM(str(folders["llama3"]), device="cpu", num_kv_blocks=64, tensor_parallel_size=2)
+    assert llm.engine.workers is not None
+    processes = list(llm.engine.workers.processes.values())
+    layer = next(m for name, m in llm.engine.runner.model.named_modules() if name.endswith("layers.1"))
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    hook = layer.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate({"prompt_token_ids": PROMPTS["a"]}, GREEDY)
+    hook.remove()
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match="a step was interrupted \\(KeyboardInterrupt\\)"):
+        llm.generate({"prompt_token_ids": PROMPTS["b"]}, GREEDY)
+    assert time.monotonic() - started < 5
+    assert not any(process.is_alive() for process in processes)
+
+
 def test_heads_not_divisible_by_ranks_is_a_clear_error(folders: dict[str, Path]) -> None:
     with pytest.raises(
         ValueError, match=r"attention heads \(4\) is not divisible by the tensor-parallel size \(3\)"

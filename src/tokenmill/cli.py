@@ -198,8 +198,8 @@ def check_server_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}")
-    if args.request_timeout is not None and args.request_timeout <= 0:
-        raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if args.request_timeout is not None and not args.request_timeout > 0:  # NaN fails too
+        raise ValueError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
 

@@ -1,5 +1,6 @@
 """The offline API: ``LLM(model).generate(prompts, sampling_params)`` in the shape users know from vLLM."""
 
+import contextlib
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeAlias, cast
@@ -8,6 +9,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.errors import TokenmillError
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.parallel.launcher import TensorParallelError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.scheduler import SchedulerStats
 from tokenmill.tokenizer import Tokenizer
@@ -66,8 +68,9 @@ class LLM:
         except BaseException:
             for request_id in outputs:
                 self.engine.abort(request_id)
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
+            with contextlib.suppress(TensorParallelError):  # workers stopped by the failure: nothing to drain
+                while self.engine.has_unfinished_requests():
+                    self.engine.step()
             raise
         return list(outputs.values())
 
@@ -148,6 +151,8 @@ def _priority_per_prompt(priority: int | Sequence[int] | None, count: int) -> li
         return [0] * count
     if isinstance(priority, int):
         return [priority] * count
+    if isinstance(priority, str | bytes) or not isinstance(priority, Sequence):
+        raise TokenmillError(f"priority must be an integer, or a list of one per prompt, got {priority!r}")
     if len(priority) != count:
         raise TokenmillError(f"got {len(priority)} priorities for {count} prompts; give one per prompt")
     return list(priority)

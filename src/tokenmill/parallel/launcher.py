@@ -65,6 +65,7 @@ class WorkerGroup:
             process.start()
             self.processes[rank] = process
         self._stop = weakref.finalize(self, _stop_processes, list(self.processes.values()))
+        self._stopped_because = ""  # why, when a failure (not shutdown) stopped the workers
         self.sender = StepSender(device)
         with self.guard("start-up"):
             self._wait_for_workers(store, STARTUP_TIMEOUT_S)
@@ -103,10 +104,16 @@ class WorkerGroup:
         """Run ``what`` (a step, start-up); on any failure stop every worker and raise a
         :class:`TensorParallelError` that names the dead rank, if one died."""
         if not self._stop.alive:
-            raise TensorParallelError("the tensor-parallel workers have been stopped")
+            raise TensorParallelError(f"the tensor-parallel workers have been stopped{self._stopped_because}")
         try:
             self.raise_if_dead()  # a worker that died between steps, before a collective notices
             yield
+        except (KeyboardInterrupt, SystemExit) as interrupt:
+            # Mid-step the ranks may be inside different collectives: none can be trusted to go on.
+            name = type(interrupt).__name__
+            self._stopped_because = f": a {what} was interrupted ({name}); build a new engine"
+            self.shutdown(graceful=False)
+            raise
         except Exception as error:
             dead = self._wait_for_exit(1.0) if isinstance(error, RuntimeError) else {}
             self.shutdown(graceful=False)
