@@ -101,6 +101,12 @@ def test_a_bad_engine_flag_value_is_refused_by_the_parser(capsys: Any) -> None:
         (["generate", "hi", "--model", "llama-3.2-1b", "--load-format", "dummy"], "--tokenizer"),
         (["chat", "--model", "gpt2", "--load-format", "dummy"], "--tokenizer"),
         (["serve", "--request-timeout", "nan"], "--request-timeout must be a number of seconds > 0"),
+        (["bench", "latency", "--iters", "0"], "--iters: must be at least 1, got 0"),
+        (["bench", "throughput", "--verify-requests", "-1"], "--verify-requests: must be at least 0"),
+        (["bench", "throughput", "--repeat", "0"], "--repeat: must be at least 1"),
+        (["bench", "throughput", "--report-dir", __file__], "exists and is not a directory"),
+        (["bench", "accuracy", "--modes", "int8,bogus"], "unknown mode(s) ['bogus']"),
+        (["bench", "accuracy", "--window", "0"], "--window: must be at least 1"),
         (["generate", "hi", "--num-speculative-tokens", "4"], "left unset without a speculative method"),
     ],
 )
@@ -112,6 +118,14 @@ def test_help_and_bad_flags_answer_without_importing_torch(argv: list[str], mess
     else:
         assert result.returncode == EXIT_BAD_INPUT and message in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_an_empty_prompt_is_refused_by_name() -> None:
+    """ "" is a prompt, an empty one (it was taken for no prompt at all, and crashed)."""
+    result = run_cli("generate", "", "--max-tokens", "1")
+    assert result.returncode == EXIT_BAD_INPUT and "the prompt is empty" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_triton_without_cuda_is_refused_on_the_auto_device_too() -> None:
@@ -244,3 +258,28 @@ def test_chat_with_piped_input_prints_the_replies_alone(smollm2: Any) -> None:
         history.append({"role": "assistant", "content": reply})
         expected += reply + "\n"
     assert result.stdout == expected
+
+
+@pytest.mark.slow
+def test_a_chat_turn_that_fails_is_reported_and_the_session_goes_on(smollm2: Any) -> None:
+    """A conversation that outgrows the context fails that turn, with a hint to /reset, and the next
+    lines are still read: after /reset the conversation starts again and is answered."""
+    lines = ["Tell me about Paris.", "And about London?", "And Rome?", "/reset", "Hi!"]
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    flags = ["--temperature", "0", "--max-tokens", "30", "--max-model-len", "128"]
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "chat", *flags],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    failures = [line for line in result.stderr.splitlines() if "beyond the context limit" in line]
+    assert failures and all("/reset" in line for line in failures), result.stderr
+    replies = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(replies) == 5 - len(failures) - 1, result.stdout  # every turn but the failed ones and /reset
+    llm = llm_for(smollm2, max_num_seqs=1, max_model_len=128)
+    fresh = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0, max_tokens=30))
+    assert replies[-1] == fresh[0].outputs[0].text.strip()

@@ -201,6 +201,25 @@ def test_quantize_refuses_what_it_cannot_write(llama_folder: Path, tmp_path: Pat
         write_quantized_checkpoint(tmp_path / "q", tmp_path / "qq", QuantizeOptions(rounding="nearest"))
     with pytest.raises(ValueError, match="'int4' is not one of"):
         QuantizeOptions(fmt="int4")  # type: ignore[arg-type]
+    (tmp_path / "a-file").write_text("")  # checked before any loading or calibration:
+    with pytest.raises(ValueError, match="exists and is not a folder"):
+        write_quantized_checkpoint(llama_folder, tmp_path / "a-file", QuantizeOptions())
+    with pytest.raises(ValueError, match="cannot be created: Not a directory"):
+        write_quantized_checkpoint(llama_folder, tmp_path / "a-file" / "sub", QuantizeOptions())
+    with pytest.raises(ValueError, match="'tpu' is not a valid torch device"):
+        write_quantized_checkpoint(llama_folder, tmp_path / "t", QuantizeOptions(device="tpu"))
+    assert not (tmp_path / "t").exists()
+
+
+def test_calibration_sequences_fit_the_models_context(llama_folder: Path) -> None:
+    """More tokens than one sequence per prompt can hold in the model's 512 positions: more sequences,
+    none longer than the context (it used to ask for a max_model_len past the model's limit)."""
+    from tokenmill.export.calibration import sampled_calibration
+
+    loaded = load_model(llama_folder, dtype="float32")
+    limit = loaded.config.max_position_embeddings
+    sequences = sampled_calibration(loaded, 4 * limit + 100)
+    assert max(map(len, sequences)) <= limit and sum(map(len, sequences)) >= 4 * limit + 100
 
 
 def test_large_checkpoints_are_written_in_shards(

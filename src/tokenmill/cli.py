@@ -260,14 +260,16 @@ def run_command(args: argparse.Namespace) -> int:
         return run_serve(args, config)
     params = sampling_params_from(args)
     text_prompt = args.command == "chat" or args.prompt is not None
-    if args.command == "generate" and (args.prompt is None) == (args.prompt_token_ids is None):
-        raise ValueError("give a prompt, or --prompt-token-ids, but not both")
+    if args.command == "generate" and args.prompt is None and args.prompt_token_ids is None:
+        raise ValueError("give a prompt, or --prompt-token-ids")
+    if args.command == "generate" and args.prompt is not None and args.prompt_token_ids is not None:
+        raise ValueError("give a prompt or --prompt-token-ids, not both")
     check_before_loading(config, args.command, has_text_prompt=text_prompt)
     from tokenmill.cli_commands import run_chat, run_generate
 
     if args.command == "chat":
         return run_chat(config, params, args.system)
-    return run_generate(config, params, args.prompt or args.prompt_token_ids)
+    return run_generate(config, params, args.prompt if args.prompt is not None else args.prompt_token_ids)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -60,12 +60,37 @@ def run_chat(config: EngineConfig, params: SamplingParams, system: str | None) -
         if not line:
             continue
         history.append({"role": "user", "content": line})
-        prompt_ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        reply = _chat_turn(engine, f"chat-{turn}", history, params, interactive)
+        if reply is None:  # the turn failed or was interrupted: the conversation goes on without it
+            history.pop()
+        else:
+            history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def _chat_turn(
+    engine: LLMEngine,
+    request_id: str,
+    history: list[dict[str, str]],
+    params: SamplingParams,
+    interactive: bool,
+) -> str | None:
+    """One reply, or None where it could not be given (an error for this turn only, e.g. a conversation
+    grown past the context, is printed) or Ctrl-C stopped it (the session goes on)."""
+    assert engine.tokenizer is not None
+    try:
+        prompt_ids = engine.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
         if interactive:
             print("assistant> ", end="", flush=True)
-        reply = stream(engine, f"chat-{turn}", prompt_ids, params)
-        history.append({"role": "assistant", "content": reply})
-    return 0
+        return stream(engine, request_id, prompt_ids, params)
+    except TokenmillError as error:
+        print(f"tokenmill: error: {error} (/reset starts the conversation again)", file=sys.stderr)
+    except KeyboardInterrupt:
+        engine.abort(request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+        print("\n(stopped)", file=sys.stderr)
+    return None
 
 
 def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.benchmarks.accuracy.arguments import add_accuracy_arguments
+from tokenmill.benchmarks.argument_types import non_negative_int, positive_int, report_dir
 from tokenmill.benchmarks.ladder.rungs import RUNGS
 from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
 from tokenmill.benchmarks.scenarios.workloads import WORKLOADS
 from tokenmill.benchmarks.seeds.sizes import PRESETS as SEED_PRESETS
-from tokenmill.benchmarks.seeds.sizes import TABLES, add_size_arguments, positive_int, table_list
+from tokenmill.benchmarks.seeds.sizes import TABLES, add_size_arguments, table_list
 from tokenmill.benchmarks.serve.arguments import add_serve_arguments
 from tokenmill.benchmarks.tensor_parallel.arguments import add_tensor_parallel_arguments
 from tokenmill.benchmarks.workload import DATASETS, parse_length_range
@@ -64,7 +65,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 def _report_dir_argument(group: Any, default_name: str) -> None:
     group.add_argument(
         "--report-dir",
-        type=Path,
+        type=report_dir,
         default=None,
         help=f"default: {default_name} in $TOKENMILL_REPORT_DIR, else in ~/.cache/tokenmill/reports",
     )
@@ -98,10 +99,12 @@ def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("latency")
     group.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
     group.add_argument("--output-len", type=int, default=64, help="output tokens, EOS ignored (default 64)")
-    group.add_argument("--iters", type=int, default=5, help="measured runs, after one warm-up (default 5)")
+    group.add_argument(
+        "--iters", type=positive_int, default=5, help="measured runs, after one warm-up (default 5)"
+    )
     group.add_argument("--skip-hf", action="store_true", help="do not run the HF generate peer")
     group.add_argument(
-        "--report-dir", type=Path, default=None, help="also write what is printed to latency.md there"
+        "--report-dir", type=report_dir, default=None, help="also write what is printed to latency.md there"
     )
 
 
@@ -128,16 +131,18 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hf-continuous", action="store_true", help="also run HF continuous batching")
     group.add_argument("--skip-hf", action="store_true", help="do not run the HF peer")
     group.add_argument(
-        "--verify-requests", type=int, default=4, help="requests re-run alone to check (0: none)"
+        "--verify-requests", type=non_negative_int, default=4, help="requests re-run alone to check (0: none)"
     )
     group.add_argument(
         "--repeat",
-        type=int,
+        type=positive_int,
         default=1,
         help="serve the workload this many times, each on a fresh engine in this process: the report "
         "compares the first run with the later ones (default 1)",
     )
-    group.add_argument("--report-dir", type=Path, default=None, help="also write throughput.md/.json here")
+    group.add_argument(
+        "--report-dir", type=report_dir, default=None, help="also write throughput.md/.json here"
+    )
 
 
 def add_load_memory_arguments(parser: argparse.ArgumentParser) -> None:
@@ -258,7 +263,9 @@ def add_structured_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--check-tokens", type=int, default=512, help="max tokens of the structured check's outputs"
     )
-    group.add_argument("--report-dir", type=Path, default=None, help="also write structured.md/.json here")
+    group.add_argument(
+        "--report-dir", type=report_dir, default=None, help="also write structured.md/.json here"
+    )
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
@@ -279,7 +286,9 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-input-len", type=int, default=128)
     group.add_argument("--draft-output-len", type=int, default=128)
     group.add_argument("--draft-max-model-len", type=int, default=512)
-    group.add_argument("--report-dir", type=Path, default=None, help="also write speculative.md/.json here")
+    group.add_argument(
+        "--report-dir", type=report_dir, default=None, help="also write speculative.md/.json here"
+    )
 
 
 def add_seeds_arguments(parser: argparse.ArgumentParser) -> None:

@@ -33,24 +33,26 @@ CALIBRATION_PROMPTS = (
 
 def sampled_calibration(loaded: LoadedModel, num_tokens: int, seed: int = 0) -> list[list[int]]:
     """About ``num_tokens`` tokens in sequences that start at :data:`CALIBRATION_PROMPTS` (token 0 without
-    a tokenizer) and continue with what the model samples (temperature 1), batched through the engine."""
+    a tokenizer) and continue with what the model samples (temperature 1), batched through the engine; a
+    sequence at most as long as the model's context (more of them, the prompts taken again, where the
+    tokens would not fit in one per prompt)."""
     tokenizer = loaded.tokenizer
     prompts = [tokenizer.encode(p) for p in CALIBRATION_PROMPTS] if tokenizer is not None else [[0]]
-    per_prompt = max(1, num_tokens // len(prompts))
-    longest = max(map(len, prompts)) + per_prompt
-    blocks = len(prompts) * (longest // 16 + 2)  # a KV pool for these sequences only, not the free memory
+    limit = loaded.config.max_position_embeddings
+    length = min(max(max(map(len, prompts)) + 1, num_tokens // len(prompts)), limit)
+    count = max(len(prompts), -(-num_tokens // length))
+    starts = [prompts[i % len(prompts)] for i in range(count)]
+    blocks = count * (length // 16 + 2)  # a KV pool for these sequences only, not the free memory
     config = EngineConfig(model=loaded.source, device=str(loaded.device))
-    options = {"max_model_len": longest, "num_kv_blocks": blocks, "block_size": 16}
+    options = {"max_model_len": length, "num_kv_blocks": blocks, "block_size": 16}
     engine = LLMEngine(config.with_options(**options), loaded)
     params = [
-        SamplingParams(
-            temperature=1.0, max_tokens=max(1, per_prompt - len(p)), ignore_eos=True, seed=seed + i
-        )
-        for i, p in enumerate(prompts)
+        SamplingParams(temperature=1.0, max_tokens=max(1, length - len(p)), ignore_eos=True, seed=seed + i)
+        for i, p in enumerate(starts)
     ]
     llm = LLM(engine=engine)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [p + list(out.outputs[0].token_ids) for p, out in zip(prompts, outputs, strict=True)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in starts], params)
+    return [p + list(out.outputs[0].token_ids) for p, out in zip(starts, outputs, strict=True)]
 
 
 def projection_hessians(model: CausalLM, sequences: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:

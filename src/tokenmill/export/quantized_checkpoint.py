@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
+from tokenmill.engine.hardware_defaults import resolve_device
 from tokenmill.errors import ModelLoadError
 from tokenmill.export.calibration import projection_hessians, sampled_calibration
 from tokenmill.loading import load_model
@@ -77,6 +78,8 @@ def write_quantized_checkpoint(
     """Write ``model`` (None: the embedded default) to the new folder ``output``, quantized as ``options``."""
     started = time.perf_counter()
     out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder; name a new folder")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; name a new folder")
     try:
@@ -91,8 +94,11 @@ def write_quantized_checkpoint(
         raise ModelLoadError("dummy weights have nothing to calibrate or keep: name a real checkpoint")
     if published_quantization(source.hf_config(), str(source.config_file)) is not None:
         raise ModelLoadError(f"{source.path} is quantized already: quantize takes a float checkpoint")
-    if options.device == "auto":
-        options = replace(options, device="cuda" if torch.cuda.is_available() else "cpu")
+    options = replace(options, device=str(resolve_device(options.device)))
+    try:  # now, not after minutes of calibration
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"{out} cannot be created: {error.strerror or error}") from None
     dtype = "float32" if options.device == "cpu" else "bfloat16"
     loaded = load_model(model, device=options.device, dtype=dtype, quantization="none")
     hessians: dict[str, torch.Tensor] = {}
@@ -101,7 +107,6 @@ def write_quantized_checkpoint(
         sequences = sampled_calibration(loaded, options.calibration_tokens, options.seed)
         calibration = sum(map(len, sequences))
         hessians = projection_hessians(loaded.model, sequences)
-    out.mkdir(parents=True, exist_ok=True)
     count = _write_weights(source, loaded.model, hessians, options, out)
     _write_config(source, options, out)
     if loaded.tokenizer is not None:

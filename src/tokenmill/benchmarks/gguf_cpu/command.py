@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.benchmarks.argument_types import report_dir
 from tokenmill.benchmarks.gguf_cpu.layers import LayerTiming, time_projections
 from tokenmill.benchmarks.gguf_cpu.peer import DecodeRun, LlamaCpp
 from tokenmill.benchmarks.report import detect_hardware, markdown_table, provenance_header, write_json
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-engine", action="store_true", help="skip the decode runs (layer timings only)")
     parser.add_argument("--json", type=Path, default=None, help="write every figure to this file")
-    parser.add_argument("--report-dir", type=Path, default=None, help="write gguf-cpu.md / .json here")
+    parser.add_argument("--report-dir", type=report_dir, default=None, help="write gguf-cpu.md / .json here")
 
 
 def _model_path(name: str | None) -> Path:

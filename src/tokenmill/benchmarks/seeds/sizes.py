@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tokenmill.benchmarks.argument_types import positive_int
+
 TABLES = ("kv-cache", "batch", "memory", "serving")
 
 
@@ -88,16 +90,6 @@ PRESETS = {
 
 def flag_name(size_name: str) -> str:
     return size_name.replace("_", "-")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def int_list(text: str) -> tuple[int, ...]:

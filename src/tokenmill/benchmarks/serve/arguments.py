@@ -5,6 +5,7 @@ import math
 import os
 from pathlib import Path
 
+from tokenmill.benchmarks.argument_types import report_dir
 from tokenmill.benchmarks.workload import parse_length_range
 
 DEFAULT_CONCURRENCY = "1,8,32,128"
@@ -72,7 +73,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="client processes per level (default: one per 16 streams, at most half the cores)",
     )
-    parser.add_argument("--report-dir", type=Path, default=None, help="write serve.json / .md / .png here")
+    parser.add_argument(
+        "--report-dir", type=report_dir, default=None, help="write serve.json / .md / .png here"
+    )
     parser.add_argument(
         "--offline",
         metavar="MODEL",

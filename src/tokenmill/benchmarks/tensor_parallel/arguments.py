@@ -1,8 +1,8 @@
 """The flags of ``tokenmill bench tensor-parallel`` (no torch: ``tokenmill`` parses them first)."""
 
 import argparse
-from pathlib import Path
 
+from tokenmill.benchmarks.argument_types import report_dir
 from tokenmill.config import EngineConfig  # imports no torch
 
 DEFAULT_SECTIONS = ("correctness", "latency", "all-reduce", "throughput")
@@ -77,4 +77,6 @@ def add_tensor_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         help="profile: tokens decoded under the profiler (default 64)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--report-dir", type=Path, default=None, help="also write tensor-parallel.md here")
+    parser.add_argument(
+        "--report-dir", type=report_dir, default=None, help="also write tensor-parallel.md here"
+    )
