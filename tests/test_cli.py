@@ -237,15 +237,7 @@ def test_chat_with_piped_input_prints_the_replies_alone(smollm2: Any) -> None:
     """No ``you>`` / ``assistant>`` prompts and no banner when stdin is not a terminal: stdout is exactly
     the two greedy replies, each as the offline API gives it for the conversation so far."""
     questions = ["What is the capital of France?", "And of Italy?"]
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    result = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "chat", "--temperature", "0", "--max-tokens", "24"],
-        input="\n".join(questions) + "\n",
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    result = _piped_chat(questions, "--temperature", "0", "--max-tokens", "24")
     assert result.returncode == 0, result.stderr
     assert "tokenmill chat:" not in result.stderr
     llm = llm_for(smollm2, max_num_seqs=1)
@@ -265,16 +257,7 @@ def test_a_chat_turn_that_fails_is_reported_and_the_session_goes_on(smollm2: Any
     """A conversation that outgrows the context fails that turn, with a hint to /reset, and the next
     lines are still read: after /reset the conversation starts again and is answered."""
     lines = ["Tell me about Paris.", "And about London?", "And Rome?", "/reset", "Hi!"]
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    flags = ["--temperature", "0", "--max-tokens", "30", "--max-model-len", "128"]
-    result = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "chat", *flags],
-        input="\n".join(lines) + "\n",
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    result = _piped_chat(lines, "--temperature", "0", "--max-tokens", "30", "--max-model-len", "128")
     assert result.returncode == 0, result.stderr
     failures = [line for line in result.stderr.splitlines() if "beyond the context limit" in line]
     assert failures and all("/reset" in line for line in failures), result.stderr
@@ -283,3 +266,15 @@ def test_a_chat_turn_that_fails_is_reported_and_the_session_goes_on(smollm2: Any
     llm = llm_for(smollm2, max_num_seqs=1, max_model_len=128)
     fresh = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0, max_tokens=30))
     assert replies[-1] == fresh[0].outputs[0].text.strip()
+
+
+def _piped_chat(lines: list[str], *flags: str) -> subprocess.CompletedProcess[str]:
+    """``tokenmill chat FLAGS`` with ``lines`` piped into it (stdin not a terminal)."""
+    return subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "chat", *flags],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        timeout=600,
+    )
