@@ -41,7 +41,8 @@ def add_engine_config_arguments(
             default=None,
             help='speculative decoding as vLLM takes it, a JSON object, e.g. \'{"method": "ngram", '
             '"num_speculative_tokens": 4}\' (keys: method, num_speculative_tokens, prompt_lookup_min, '
-            "prompt_lookup_max, model, load_format); the --speculative-* flags override its keys",
+            "prompt_lookup_max, model, load_format), checked as it is given; the --speculative-* flags "
+            "override its keys",
         )
 
 
