@@ -246,8 +246,8 @@ def paged_decode_attention(
     ``order`` (int32 ``[B]``, a permutation of the rows, longest context first) is the order in which
     the sequences' programs are launched when an unsplit launch takes more than one wave of the GPU: the
     longest start first and the short ones fill in behind them, where row order can leave a tail of
-    long programs on a few SMs (H200, 178 sequences of 300-1,500 keys, 32 / 8 heads: float8 pool 146 ->
-    127 µs, bf16 172 -> 158; ``reports/gpu/quantized-llama-3.1-8b/decode-order/``). Otherwise ignored.
+    long programs on a few SMs (H200, 178 sequences of 300-1,500 keys, 32 / 8 heads: float8 pool 146.7 ->
+    125.0 µs, bf16 168.9 -> 159.3; ``reports/gpu/quantized-llama-3.1-8b/decode-order/``). Otherwise ignored.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = check_pools(query, key_pool, value_pool)
