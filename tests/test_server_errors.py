@@ -187,6 +187,16 @@ def test_prompt_beyond_the_context_is_a_400_with_both_numbers(client: openai.Ope
         ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
         ("/generate", {"prompt": "\ud800"}, "prompt"),
         ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": "1"}}, "logit_bias.5"),
+        (
+            "/v1/completions",
+            {"prompt": "Hi", "structured_outputs": {"regexx": "a"}},
+            "structured_outputs.regexx",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "Hi", "structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+            "structured_outputs.whitespace_pattern",
+        ),
         # continuing a final message: the same checks as on the chat route
         (
             "/tokenize",

@@ -169,8 +169,7 @@ def test_a_sequence_ends_where_its_grammar_does(smollm2, backend: str, ignore_eo
     )
     output = run(engine, {"end": (chat_ids(smollm2, "Is water wet?"), params)})["end"].outputs[0]
     assert output.finish_reason == "stop" and output.text in ("yes", "no")
-    eos = [t for t in output.token_ids if t in engine.eos_token_ids]
-    assert eos == ([] if backend == "llguidance" else output.token_ids[-1:])  # xgrammar ends on its EOS
+    assert not set(output.token_ids) & set(engine.eos_token_ids)  # ended by the grammar, no EOS sampled
     assert engine.kv_cache.manager.num_used_blocks == 0
 
 
@@ -180,6 +179,18 @@ def test_min_tokens_cannot_push_a_grammar_past_its_end(smollm2, backend: str) ->
     params = SamplingParams(temperature=0, max_tokens=20, min_tokens=10, structured_outputs=constraint)
     output = run(engine, {"min": (chat_ids(smollm2, "Is water wet?"), params)})["min"].outputs[0]
     assert output.finish_reason == "stop" and output.text in ("yes", "no") and len(output.token_ids) <= 3
+    # nothing outside the grammar was drawn where min_tokens banned the only token it allowed (EOS)
+    assert output.token_ids == engine.tokenizer.encode(output.text, add_special_tokens=False)
+
+
+def test_a_stop_string_on_the_grammars_last_token_is_reported(smollm2, backend: str) -> None:  # type: ignore[no-untyped-def]
+    """The token that completes the grammar also completes a stop string: the text is cut there and the
+    stop string named, as when it ends an unconstrained output (it used to be cut but not named)."""
+    engine = engine_for(smollm2, max_model_len=256, structured_output_backend=backend)
+    constraint = StructuredOutputsParams(choice=["yes"])
+    params = SamplingParams(temperature=0, max_tokens=20, stop=["s"], structured_outputs=constraint)
+    output = run(engine, {"s": (chat_ids(smollm2, "Is water wet?"), params)})["s"].outputs[0]
+    assert (output.text, output.finish_reason, output.stop_reason) == ("ye", "stop", "s")
 
 
 def test_a_batch_without_grammars_runs_no_structured_output_code(

@@ -107,6 +107,24 @@ def test_thousands_of_choices_keep_to_their_language(
     walk(backend, grammar.matcher(), "4321 of many", token_texts, choices, set(smollm2.eos_token_ids))
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"type": "integer", "not": {"enum": [5]}}}, "required": ["a"]},
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "minItems": 3},
+        {"type": "object", "required": ["a"], "additionalProperties": False},  # no instance at all
+    ],
+    ids=["not", "uniqueItems", "unsatisfiable"],
+)
+def test_both_backends_refuse_a_schema_they_would_not_enforce(
+    backend: GrammarBackend, schema: dict[str, object]
+) -> None:
+    """Served, such a schema would end outputs with "stop" that fail validation (xgrammar compiled these
+    and let ``{"a": 5}``, ``[1, 1, 1]`` and ``{}`` through); refused, the client is told why."""
+    with pytest.raises(GrammarCompileError, match=r"structured_outputs\.json"):
+        backend.compile(StructuredOutputsParams(json=schema).spec())
+
+
 def test_a_regex_allows_exactly_the_prefixes_of_its_strings(
     backend: GrammarBackend, token_texts: list[str], smollm2
 ) -> None:  # type: ignore[no-untyped-def]

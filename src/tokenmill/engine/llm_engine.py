@@ -331,7 +331,7 @@ class LLMEngine:
         text = self.texts[seq]
         num_output = seq.num_output_tokens - num_later
         stop_string = text.append([token], check_stop=num_output >= seq.params.min_tokens)
-        stopped = stop_string is not None and (num_later > 0 or not seq.is_finished)
+        stopped = stop_string is not None  # it ends the text even where the token also ended the sequence
         if stopped:
             self.scheduler.stop_at_string(seq, stop_string, num_later)
         last = stopped or num_later == 0  # the sequence's last token of this step

@@ -52,6 +52,8 @@ class ResponseFormat(_Request):
 class StructuredOutputsRequest(_Request):
     """vLLM's ``structured_outputs`` body field: set one of the constraints."""
 
+    model_config = ConfigDict(extra="allow")  # vLLM's other keys, checked in server/structured.py
+
     json_: dict[str, Any] | StrictStr | StrictBool | None = Field(default=None, alias="json")
     regex: StrictStr | None = None
     choice: list[StrictStr] | None = None

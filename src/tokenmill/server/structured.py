@@ -63,10 +63,27 @@ def _from_response_format(response_format: ResponseFormat | None) -> StructuredR
     return build(f"{field}.schema", json=response_format.json_schema.json_schema)
 
 
+# vLLM's structured_outputs keys that are not constraints, and the values that ask for nothing here (any
+# value of disable_fallback: there is no fallback backend to disable).
+_VLLM_OPTIONS: dict[str, tuple[Any, ...] | None] = {
+    "disable_fallback": None,
+    "disable_additional_properties": (None, False),
+    "whitespace_pattern": (None,),
+    "structural_tag": (None,),
+}
+
+
 def _from_structured_outputs(request: StructuredOutputsRequest | None) -> StructuredRequest | None:
     if request is None:
         return None
-    fields = request.model_dump(exclude_none=True, by_alias=True)
+    for name, value in (request.model_extra or {}).items():
+        field = f"structured_outputs.{name}"
+        if name not in _VLLM_OPTIONS:
+            raise bad_request(f"structured_outputs has no field '{name}'", field)
+        no_ops = _VLLM_OPTIONS[name]
+        if no_ops is not None and value not in no_ops:
+            raise bad_request(f"'{field}' is not supported by this server (got {value!r})", field)
+    fields = request.model_dump(exclude_none=True, by_alias=True, exclude=set(request.model_extra or {}))
     if fields.get("json_object") is False:
         del fields["json_object"]
     kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object") if name in fields]

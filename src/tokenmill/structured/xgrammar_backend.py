@@ -2,8 +2,8 @@
 
 It precompiles each grammar against the whole vocabulary (slower compiles that grow with the vocabulary,
 a compile cache of its own) and then computes masks fastest, filling a batch's rows from its own thread
-pool (``BatchGrammarMatcher``). Its matchers terminate only on EOS: once a grammar is complete the mask
-allows EOS alone, which the sequence then samples and ends on.
+pool (``BatchGrammarMatcher``). Its matchers terminate on EOS; a sequence whose grammar is complete and
+allows nothing but EOS ends there without sampling it, as with llguidance.
 
 xgrammar 0.2.8 compiles ``allOf`` into a grammar that lets invalid JSON through (wrong types, or any
 value at all), so schemas using it are refused here with a message that points to llguidance, rather
@@ -28,30 +28,61 @@ from tokenmill.structured.backend import (
 from tokenmill.structured.params import MAX_JSON_WHITESPACE, GrammarSpec, choice_lark
 
 _COMPILE_THREADS = 2
-UNSUPPORTED_KEYWORDS = frozenset({"allOf"})  # compiled, but not enforced (see above)
-_NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+# Compiled, but not enforced (see above): refused, so no output that breaks its schema is served.
+UNSUPPORTED_KEYWORDS = frozenset(
+    {
+        "allOf",
+        "not",
+        "uniqueItems",
+        "if",
+        "then",
+        "else",
+        "dependentRequired",
+        "dependentSchemas",
+        "contains",
+        "minContains",
+        "maxContains",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+    }
+)
+_NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+_VALUES = frozenset({"enum", "const", "default", "examples"})  # JSON values, not subschemas
 
 
 class XGrammarMatcher(GrammarMatcher):
-    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int) -> None:
         self.inner = matcher
+        self.vocab_size = vocab_size
 
     def accept_token(self, token_id: int) -> bool:
         return bool(self.inner.accept_token(token_id))
 
     def is_terminated(self) -> bool:
-        return bool(self.inner.is_terminated())
+        """Ended on EOS, or complete with nothing but EOS left to allow: the sequence ends there, as with
+        llguidance (else ``min_tokens``, which bans EOS, would leave no token to sample)."""
+        if self.inner.is_terminated():
+            return True
+        return bool(self.inner.is_completed()) and self._allows_only_stop_tokens()
+
+    def _allows_only_stop_tokens(self) -> bool:
+        mask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        self.inner.fill_next_token_bitmask(mask)
+        bits = (mask[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.flatten()[: self.vocab_size].nonzero().flatten().tolist()
+        return set(allowed) <= set(self.inner.stop_token_ids)
 
     def rollback(self, num_tokens: int) -> None:
         self.inner.rollback(num_tokens)
 
 
 class XGrammarGrammar(CompiledGrammar):
-    def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgrammar.CompiledGrammar, vocab_size: int) -> None:
         self._compiled = compiled
+        self._vocab_size = vocab_size
 
     def matcher(self) -> GrammarMatcher:
-        return XGrammarMatcher(xgrammar.GrammarMatcher(self._compiled))
+        return XGrammarMatcher(xgrammar.GrammarMatcher(self._compiled), self._vocab_size)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -69,18 +100,21 @@ class XGrammarBackend(GrammarBackend):
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         try:
-            return XGrammarGrammar(self._compile(spec))
+            return XGrammarGrammar(self._compile(spec), self.vocab_size)
         except (RuntimeError, ValueError) as exc:  # xgrammar's errors derive from these
             raise GrammarCompileError(spec, str(exc)) from None
 
     def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
         compiler = self._compiler
         if spec.kind == "json":
-            if any(key in UNSUPPORTED_KEYWORDS for key in _keywords(json.loads(spec.source))):
+            schema = json.loads(spec.source)
+            unsupported = sorted(UNSUPPORTED_KEYWORDS.intersection(_keywords(schema)))
+            if unsupported:
                 raise ValueError(
-                    f"the xgrammar backend does not enforce {sorted(UNSUPPORTED_KEYWORDS)} correctly; "
-                    "serve this schema with structured_output_backend='llguidance'"
+                    f"the xgrammar backend does not enforce {unsupported}; serve this schema with "
+                    "structured_output_backend='llguidance'"
                 )
+            _check_required_properties_allowed(schema)
             return compiler.compile_json_schema(
                 spec.source,
                 any_whitespace=spec.any_whitespace,
@@ -119,8 +153,35 @@ def _keywords(schema: Any) -> Iterator[str]:
         return
     for key, value in schema.items():
         yield key
+        if key in _VALUES:
+            continue
         if key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
             for subschema in value.values():
                 yield from _keywords(subschema)
         else:
             yield from _keywords(value)
+
+
+def _check_required_properties_allowed(schema: Any) -> None:
+    """An object that requires a property its ``additionalProperties: false`` forbids has no instance;
+    xgrammar compiles it anyway (and lets ``{}`` through), so it is refused here, as llguidance does."""
+    if isinstance(schema, list):
+        for item in schema:
+            _check_required_properties_allowed(item)
+    if not isinstance(schema, dict):
+        return
+    properties = schema.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    if schema.get("additionalProperties") is False and not schema.get("patternProperties"):
+        forbidden = [name for name in schema.get("required") or [] if name not in properties]
+        if forbidden:
+            raise ValueError(f"unsatisfiable schema: required property {forbidden[0]!r} is not allowed by "
+                             "additionalProperties: false")  # fmt: skip
+    for key, value in schema.items():
+        if key in _VALUES:
+            continue
+        if key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
+            for subschema in value.values():
+                _check_required_properties_allowed(subschema)
+        else:
+            _check_required_properties_allowed(value)
