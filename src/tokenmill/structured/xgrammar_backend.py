@@ -144,44 +144,42 @@ def _inner(matcher: GrammarMatcher) -> xgrammar.GrammarMatcher:
     return matcher.inner
 
 
-def _keywords(schema: Any) -> Iterator[str]:
-    """Every keyword of a JSON schema and its subschemas (property and definition names are not)."""
+def _subschemas(schema: Any) -> Iterator[dict[str, Any]]:
+    """A JSON schema and each of its subschemas (not the names of properties and definitions, nor the JSON
+    values of ``enum`` / ``const`` / ``default`` / ``examples``)."""
     if isinstance(schema, list):
         for item in schema:
-            yield from _keywords(item)
+            yield from _subschemas(item)
     if not isinstance(schema, dict):
         return
+    yield schema
     for key, value in schema.items():
-        yield key
         if key in _VALUES:
             continue
         if key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
             for subschema in value.values():
-                yield from _keywords(subschema)
+                yield from _subschemas(subschema)
         else:
-            yield from _keywords(value)
+            yield from _subschemas(value)
+
+
+def _keywords(schema: Any) -> Iterator[str]:
+    """Every keyword of a JSON schema and its subschemas."""
+    for subschema in _subschemas(schema):
+        yield from subschema
 
 
 def _check_required_properties_allowed(schema: Any) -> None:
     """An object that requires a property its ``additionalProperties: false`` forbids has no instance;
     xgrammar compiles it anyway (and lets ``{}`` through), so it is refused here, as llguidance does."""
-    if isinstance(schema, list):
-        for item in schema:
-            _check_required_properties_allowed(item)
-    if not isinstance(schema, dict):
-        return
-    properties = schema.get("properties")
-    properties = properties if isinstance(properties, dict) else {}
-    if schema.get("additionalProperties") is False and not schema.get("patternProperties"):
-        forbidden = [name for name in schema.get("required") or [] if name not in properties]
-        if forbidden:
-            raise ValueError(f"unsatisfiable schema: required property {forbidden[0]!r} is not allowed by "
-                             "additionalProperties: false")  # fmt: skip
-    for key, value in schema.items():
-        if key in _VALUES:
+    for subschema in _subschemas(schema):
+        if subschema.get("additionalProperties") is not False or subschema.get("patternProperties"):
             continue
-        if key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
-            for subschema in value.values():
-                _check_required_properties_allowed(subschema)
-        else:
-            _check_required_properties_allowed(value)
+        properties = subschema.get("properties")
+        allowed = properties if isinstance(properties, dict) else {}
+        forbidden = [name for name in subschema.get("required") or [] if name not in allowed]
+        if forbidden:
+            raise ValueError(
+                f"unsatisfiable schema: required property {forbidden[0]!r} is not allowed by "
+                "additionalProperties: false"
+            )
