@@ -107,6 +107,9 @@ def test_a_bad_engine_flag_value_is_refused_by_the_parser(capsys: Any) -> None:
         (["bench", "throughput", "--report-dir", __file__], "exists and is not a directory"),
         (["bench", "accuracy", "--modes", "int8,bogus"], "unknown mode(s) ['bogus']"),
         (["bench", "accuracy", "--window", "0"], "--window: must be at least 1"),
+        (["bench", "ladder", "--batch-size", "0"], "--batch-size: must be at least 1"),
+        (["bench", "scenarios", "--timeout", "-1"], "--timeout: must be > 0"),
+        (["bench", "serve", "--url", "http://127.0.0.1:9", "--timeout", "nan"], "--timeout: must be > 0"),
         (["generate", "hi", "--num-speculative-tokens", "4"], "left unset without a speculative method"),
     ],
 )
@@ -118,6 +121,19 @@ def test_help_and_bad_flags_answer_without_importing_torch(argv: list[str], mess
     else:
         assert result.returncode == EXIT_BAD_INPUT and message in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "kernels", "--device", "nosuch"],
+        ["bench", "load-memory", "--model", "gpt2", "--load-format", "dummy", "--device", "x"],
+    ],
+)
+def test_a_benchmarks_device_is_checked_like_the_engines(argv: list[str]) -> None:
+    result = run_cli(*argv)
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert "is not a valid torch device" in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.slow

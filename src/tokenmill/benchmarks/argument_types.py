@@ -24,6 +24,16 @@ def _int_at_least(text: str, low: int) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not value > 0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def report_dir(text: str) -> Path:
     """A folder the report can be written to: a directory, or a path whose nearest existing parent is a
     writable directory (checked now, so a finished benchmark does not lose its report)."""

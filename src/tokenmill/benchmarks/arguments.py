@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.benchmarks.accuracy.arguments import add_accuracy_arguments
-from tokenmill.benchmarks.argument_types import non_negative_int, positive_int, report_dir
+from tokenmill.benchmarks.argument_types import non_negative_int, positive_float, positive_int, report_dir
 from tokenmill.benchmarks.ladder.rungs import RUNGS
 from tokenmill.benchmarks.scenarios.sizes import PRESETS, Sizes, flag_name
 from tokenmill.benchmarks.scenarios.workloads import WORKLOADS
@@ -83,7 +83,7 @@ def add_ladder_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prompt-source", choices=PROMPT_SOURCES, default="auto")
     group = parser.add_argument_group("ladder")
     group.add_argument(
-        "--batch-size", type=int, default=8, help="static/continuous batch and HF batch (default 8)"
+        "--batch-size", type=positive_int, default=8, help="static/continuous batch and HF batch (default 8)"
     )
     group.add_argument("--block-size", type=int, default=EngineConfig().kv.block_size)
     group.add_argument("--max-model-len", type=int, default=None, help="default: fit the workload")
@@ -127,7 +127,9 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="always generate the full output length")
     group.add_argument("--prompt-source", choices=PROMPT_SOURCES, default="auto")
     group = parser.add_argument_group("comparison")
-    group.add_argument("--hf-batch-size", type=int, default=8, help="HF generate static batch (default 8)")
+    group.add_argument(
+        "--hf-batch-size", type=positive_int, default=8, help="HF generate static batch (default 8)"
+    )
     group.add_argument("--hf-continuous", action="store_true", help="also run HF continuous batching")
     group.add_argument("--skip-hf", action="store_true", help="do not run the HF peer")
     group.add_argument(
@@ -210,7 +212,9 @@ def add_scenarios_arguments(parser: argparse.ArgumentParser) -> None:
         "off then on, to compare two servers; --model is then the model name sent (default: the server's)",
     )
     group.add_argument("--api-key", default=None, help="with --url: sent as 'Authorization: Bearer KEY'")
-    group.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (serve driver)")
+    group.add_argument(
+        "--timeout", type=positive_float, default=600.0, help="seconds per HTTP request (serve driver)"
+    )
     group.add_argument(
         "--preset", choices=("auto", *PRESETS), default="auto", help="sizes: auto = gpu on CUDA, else cpu"
     )
@@ -274,7 +278,7 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("n-gram: batch 1 copying prompts, then a batch of open-ended ones")
     group.add_argument("--skip-ngram", action="store_true", help="no n-gram runs")
     group.add_argument("--max-tokens", type=int, default=320, help="most tokens per batch-1 answer")
-    group.add_argument("--batch-size", type=int, default=64, help="open-ended prompts run at once")
+    group.add_argument("--batch-size", type=positive_int, default=64, help="open-ended prompts run at once")
     group.add_argument("--batch-output-len", type=int, default=128, help="tokens per open-ended answer")
     group.add_argument(
         "--batch-rounds", type=positive_int, default=2, help="off-on-on-off rounds of the open-ended batch"

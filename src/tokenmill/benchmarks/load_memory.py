@@ -23,6 +23,7 @@ import torch
 
 from tokenmill.benchmarks.arguments import add_load_memory_arguments as add_arguments
 from tokenmill.benchmarks.report import detect_hardware, provenance
+from tokenmill.engine.hardware_defaults import resolve_device
 from tokenmill.loading import load_model
 
 
@@ -101,8 +102,9 @@ def measure_load_memory(
 
 
 def run(args: argparse.Namespace) -> int:
-    report = measure_load_memory(args.model, args.device, args.dtype, args.load_format, args.quantization)
-    origin = provenance(detect_hardware(torch.device(args.device)))
+    device = resolve_device(args.device)  # a bad name, or CUDA where there is none, is a ValueError
+    report = measure_load_memory(args.model, str(device), args.dtype, args.load_format, args.quantization)
+    origin = provenance(detect_hardware(device))
     if args.json:
         payload = {**asdict(report), "peak_over_params": report.peak_over_params}
         print(json.dumps({**payload, "provenance": origin.to_json()}))

@@ -39,6 +39,7 @@ from tokenmill.benchmarks.kernels.cases import format_rows, run_all
 from tokenmill.benchmarks.kernels.elementwise import elementwise_cases
 from tokenmill.benchmarks.kernels.shapes import FULL, QUICK, SMOKE, ModelShape, Sizes
 from tokenmill.benchmarks.kernels.timing import Timer, copy_bandwidth
+from tokenmill.engine.hardware_defaults import resolve_device
 from tokenmill.kernels import triton_available
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -46,7 +47,7 @@ COPY_BYTES = 1 << 30
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
+    device = resolve_device(args.device)  # a bad name, or CUDA where there is none, is a ValueError
     if not triton_available(device):
         print(f"tokenmill bench kernels: triton cannot run on {device} here", file=sys.stderr)
         return 1

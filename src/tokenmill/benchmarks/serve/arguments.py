@@ -5,7 +5,7 @@ import math
 import os
 from pathlib import Path
 
-from tokenmill.benchmarks.argument_types import report_dir
+from tokenmill.benchmarks.argument_types import positive_float, report_dir
 from tokenmill.benchmarks.workload import parse_length_range
 
 DEFAULT_CONCURRENCY = "1,8,32,128"
@@ -66,7 +66,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="short requests sent before measuring")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per request")
     parser.add_argument(
         "--client-processes",
         type=int,
