@@ -25,12 +25,20 @@ def _int_at_least(text: str, low: int) -> int:
 
 
 def positive_float(text: str) -> float:
+    return _float_beyond(text, 0.0, inclusive=False)
+
+
+def non_negative_float(text: str) -> float:
+    return _float_beyond(text, 0.0, inclusive=True)
+
+
+def _float_beyond(text: str, low: float, inclusive: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if not value > 0:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not (value >= low if inclusive else value > low):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be {'at least' if inclusive else '>'} {low:g}, got {text}")
     return value
 
 

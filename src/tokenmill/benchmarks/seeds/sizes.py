@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tokenmill.benchmarks.argument_types import positive_int
+from tokenmill.benchmarks.argument_types import non_negative_float, positive_int
 
 TABLES = ("kv-cache", "batch", "memory", "serving")
 
@@ -100,16 +100,6 @@ def int_list(text: str) -> tuple[int, ...]:
     if list(values) != sorted(set(values)):
         raise argparse.ArgumentTypeError(f"expected ascending sizes without repeats, got '{text}'")
     return values
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
-    return value
 
 
 def table_list(text: str) -> tuple[str, ...]:
