@@ -612,9 +612,12 @@ def test_decode_of_several_waves_launches_longest_first(device: str, dtype: torc
     ``seq_order``), and each sequence still gets its own output; one wave or a split launch ignores the
     order."""
     from tokenmill.kernels.attention import launch_waves
+    from tokenmill.kernels.attention.plan import DECODE_PROGRAMS_PER_SM
 
-    batch = random_batch(41, 4, 2, 64, mode="decode", dtype=dtype, device=device, max_len=80, batch=12)
-    assert launch_waves(12 * 2, torch.device(device)) > 1
+    one_wave = DECODE_PROGRAMS_PER_SM * kernel_helpers.sm_count(torch.device(device))
+    num_seqs = one_wave // 2 + 2  # two KV heads: a few programs more than one wave, on any GPU
+    batch = random_batch(41, 4, 2, 64, mode="decode", dtype=dtype, device=device, max_len=80, batch=num_seqs)
+    assert launch_waves(num_seqs * 2, torch.device(device)) > 1
     backends = [TritonAttentionBackend(), TritonAttentionBackend(fused_decode_rotary_kv=True)]
     rotary = RotaryEmbedding(64, 128, RopeConfig(theta=10000.0)).to(device)
     check_against_reference(batch, _layer(4, 2, 64, None), backends, dtype, rotary)
