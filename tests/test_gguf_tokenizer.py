@@ -66,3 +66,63 @@ def test_an_unwritable_cache_still_gives_the_tokenizer(
     assert tokenizer.decode(tokenizer("Hello world")["input_ids"]) == "Hello world"
     assert "not writable" in caplog.text
     assert blocker.read_text() == ""
+
+
+def _gpt2_byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the other 68 take the
+    characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    mapping = {chr(byte): byte for byte in printable}
+    mapping.update({chr(256 + index): byte for index, byte in enumerate(others)})
+    return mapping
+
+
+def test_a_byte_level_decoder_wrapped_in_sentencepiece_steps_is_made_plain(smollm2) -> None:  # type: ignore[no-untyped-def]
+    """transformers 5.17's GGUF conversion of SmolLM2 wraps ByteLevel in ByteFallback / Fuse / Replace:
+    llguidance then reads 'Ġ' as two bytes instead of a space and masks refuse every space-led token.
+    After ``plain_byte_level_decoder`` the grammar engine's bytes of every token are GPT-2's byte map of
+    the vocabulary strings, and decoded text is unchanged."""
+    from copy import deepcopy
+
+    from llguidance.hf import from_tokenizer
+    from tokenizers import decoders
+
+    from tokenmill.loading.gguf_tokenizer import plain_byte_level_decoder
+
+    tokenizer = deepcopy(smollm2.tokenizer.hf_tokenizer)
+    tokenizer.backend_tokenizer.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("\u2581", " "), decoders.ByteLevel()]
+    )
+    ids = list(range(0, len(tokenizer), 97))
+    decoded_before = [tokenizer.decode([token]) for token in ids]
+    byte_of = _gpt2_byte_of_char()
+    vocabulary = tokenizer.convert_ids_to_tokens(ids)
+    expected = [bytes(byte_of[char] for char in piece) for piece, token in zip(vocabulary, ids, strict=True)]
+    special = set(tokenizer.all_special_ids)
+    regular = [index for index, token in enumerate(ids) if token not in special]
+    misread = from_tokenizer(tokenizer)
+    assert any(misread.decode_bytes([ids[i]]) != expected[i] for i in regular)  # the failure is real
+
+    plain_byte_level_decoder(tokenizer)
+    read = from_tokenizer(tokenizer)
+    assert [read.decode_bytes([ids[i]]) for i in regular] == [expected[i] for i in regular]
+    assert [tokenizer.decode([token]) for token in ids] == decoded_before
+
+
+def test_other_decoders_are_left_alone() -> None:
+    """A sentencepiece tokenizer (Metaspace, a Sequence decoder ending in Strip) keeps its decoder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenmill.loading.gguf_tokenizer import plain_byte_level_decoder
+
+    backend = Tokenizer(models.BPE({"\u2581a": 0, "b": 1, "<unk>": 2}, [], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    before = tokenizer.backend_tokenizer.decoder.__getstate__()
+    plain_byte_level_decoder(tokenizer)
+    assert tokenizer.backend_tokenizer.decoder.__getstate__() == before

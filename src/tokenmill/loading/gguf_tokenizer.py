@@ -8,9 +8,15 @@ and modification time and by the transformers version that converted it; later l
 (~4 s / ~1 s). Encodings, decodings, special tokens and the chat template of the reloaded tokenizer equal
 the converted one's (``tests/test_gguf_tokenizer.py``). Where the cache cannot be written the tokenizer is
 converted as before.
+
+transformers 5.17 converts a byte-level BPE (SmolLM2, Llama 3, Qwen) with sentencepiece steps wrapped
+around its ByteLevel decoder. Decoded text is the same, but the grammar engines of structured outputs learn
+how token strings map to bytes from the decoder's type, and took every 'Ġ' (a space) literally: masks
+refused every token that starts with a space. Such a decoder is replaced by ByteLevel alone.
 """
 
 import hashlib
+import json
 import logging
 import shutil
 import tempfile
@@ -34,13 +40,36 @@ def gguf_hf_tokenizer(path: Path) -> Any:
     folder = _cached_folder(path)
     if folder is not None and folder.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(folder)
+            return plain_byte_level_decoder(AutoTokenizer.from_pretrained(folder))
         except Exception as exc:  # a damaged entry: converted again, and replaced
             logger.warning("cached tokenizer %s unreadable (%s); converting %s again", folder, exc, path.name)
             shutil.rmtree(folder, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = plain_byte_level_decoder(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
     if folder is not None:
         _save(tokenizer, folder)
+    return tokenizer
+
+
+def plain_byte_level_decoder(tokenizer: Any) -> Any:
+    """``tokenizer`` with ByteLevel alone as its decoder where its pre-tokenizer is byte-level and its
+    decoder a Sequence that ends in ByteLevel (changed in place; returned for chaining)."""
+    from tokenizers import decoders
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.decoder is None or backend.pre_tokenizer is None:
+        return tokenizer
+    decoder = json.loads(backend.decoder.__getstate__())
+    steps = decoder.get("decoders") or []
+    pre_tokenizer = json.loads(backend.pre_tokenizer.__getstate__())
+    pre_steps = pre_tokenizer.get("pretokenizers") or [pre_tokenizer]
+    byte_level_input = any(step.get("type") == "ByteLevel" for step in pre_steps)
+    if (
+        byte_level_input
+        and decoder.get("type") == "Sequence"
+        and steps
+        and steps[-1].get("type") == "ByteLevel"
+    ):
+        backend.decoder = decoders.ByteLevel()
     return tokenizer
 
 
