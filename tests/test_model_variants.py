@@ -44,7 +44,14 @@ COMMON: dict[str, Any] = {
     "max_position_embeddings": 64,  # the original context x 4
 }
 GEMMA: dict[str, Any] = {**COMMON, "head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 24}
-GPT2: dict[str, Any] = {"vocab_size": 256, "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 64}
+GPT2: dict[str, Any] = {
+    "vocab_size": 256,
+    "n_embd": 64,
+    "n_layer": 3,
+    "n_head": 4,
+    "n_positions": 64,
+    "eos_token_id": 2,
+}
 Rewrite = Callable[[dict[str, Any]], None]
 
 
@@ -162,6 +169,12 @@ CASES: dict[str, tuple[PretrainedConfig, Rewrite]] = {
     "llama-multi-query": (LlamaConfig(**{**COMMON, "num_key_value_heads": 1}), no_change),
     # heads and weights
     "gemma3-untied-head": (Gemma3TextConfig(**GEMMA, tie_word_embeddings=False), no_change),
+    "gemma3-final-logit-softcapping": (Gemma3TextConfig(**GEMMA, final_logit_softcapping=2.0), no_change),
+    "qwen2-tied-head-and-norm-eps": (
+        Qwen2Config(**COMMON, tie_word_embeddings=True, rms_norm_eps=1e-2),
+        no_change,
+    ),
+    "gpt2-untied-head-and-inner-size": (GPT2Config(**GPT2, tie_word_embeddings=False, n_inner=96), no_change),
     "gpt2-scale-by-inverse-layer-index": (
         GPT2Config(**GPT2, scale_attn_by_inverse_layer_idx=True),
         no_change,
