@@ -9,15 +9,16 @@ writer helpers, so their spelling is gguf-py's, not the loader's.
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
-from tiny_models import tiny_configs
+from tiny_models import save_random_model, tiny_configs
 
 # tiny model name → GGUF architecture; Mistral is left out (its sliding window has no GGUF llama key).
 GGUF_ARCH = {
@@ -85,13 +86,7 @@ def tiny_gguf_config(name: str) -> PretrainedConfig:
 
 def save_hf_model(config: PretrainedConfig, folder: Path, seed: int = 0) -> torch.nn.Module:
     """A random model with every weight (norms included) moved off its init, saved as safetensors."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(folder)
-    return model
+    return save_random_model(config, folder, seed)
 
 
 _PROJECTIONS = re.compile(r"blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down))\.weight")
@@ -104,13 +99,16 @@ def write_gguf(
     path: Path,
     qtype: gguf.GGMLQuantizationType | None = None,
     head_qtype: gguf.GGMLQuantizationType | None = None,
+    extra_metadata: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """``qtype``: store the projection weights in that format (gguf-py quantizes them), as llama.cpp's
     quantized files do; ``head_qtype``: the embedding and output head too (llama.cpp's files keep them
-    in Q8_0 / Q6_K); everything else stays float32."""
+    in Q8_0 / Q6_K); everything else stays float32. ``extra_metadata`` adds keys of its own."""
     config: Any = model.config
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, arch, config)
+    if extra_metadata is not None:
+        extra_metadata(writer)
     for name, array in _gguf_tensors(model, arch):
         wanted = qtype if _PROJECTIONS.fullmatch(name) else head_qtype if name in _HEADS else None
         if wanted is not None:
@@ -160,6 +158,10 @@ def _write_rope(writer: gguf.GGUFWriter, rope: dict[str, Any]) -> None:
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope["rope_type"] == "yarn":  # as llama.cpp's converter writes Qwen's yarn
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _gguf_tensors(model: torch.nn.Module, arch: str) -> list[tuple[str, np.ndarray]]:

@@ -320,6 +320,37 @@ def test_llama3_rope_freqs_must_be_reproducible(tmp_path: Path) -> None:
     assert str(path) in str(error.value)
 
 
+def test_yarn_rope_scaling_loads_like_safetensors(tmp_path: Path) -> None:
+    """llama.cpp's yarn keys (type, factor, original context) give the config transformers' keys give."""
+    config = tiny_gguf_config("qwen2")
+    config.rope_parameters = {
+        "rope_type": "yarn",
+        "rope_theta": 1e6,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    model = save_hf_model(config, tmp_path / "hf")
+    path = write_gguf(model, "qwen2", tmp_path / "yarn.gguf")
+    from_gguf, from_safetensors = load_model(path), load_model(tmp_path / "hf")
+    assert from_gguf.config.rope == from_safetensors.config.rope
+    assert from_gguf.config.max_position_embeddings == from_safetensors.config.max_position_embeddings
+    prompt = list(range(3, 200, 3))  # past the original context
+    gguf_logits = greedy_generate(from_gguf.model, prompt, 1).prompt_logits
+    torch.testing.assert_close(gguf_logits, greedy_generate(from_safetensors.model, prompt, 1).prompt_logits)
+
+
+def test_yarn_keys_without_a_transformers_meaning_are_refused(tmp_path: Path) -> None:
+    config = tiny_gguf_config("qwen2")
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    model = save_hf_model(config, tmp_path / "hf")
+    path = write_gguf(
+        model, "qwen2", tmp_path / "yarn.gguf", extra_metadata=lambda w: w.add_rope_scaling_yarn_log_mul(0.1)
+    )
+    with pytest.raises(ModelLoadError, match=r"qwen2\.rope\.scaling\.yarn_log_multiplier") as error:
+        load_model(path)
+    assert str(path) in str(error.value)
+
+
 @pytest.mark.parametrize(
     "qtype",
     [

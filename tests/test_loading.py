@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from tiny_models import save_tiny_model
 from tokenmill.errors import ModelLoadError, UnsupportedArchitectureError
@@ -123,6 +123,27 @@ def test_unexpected_tensor_is_named(tiny_folder: Path, tmp_path: Path) -> None:
     rewrite_tensors(folder, lambda t: t.update({"model.layers.9.extra.weight": torch.zeros(2)}))
     with pytest.raises(ModelLoadError, match=r"tensor 'model\.layers\.9\.extra\.weight' has no place"):
         load_model(folder)
+
+
+def test_saved_rotary_frequencies_are_skipped(tiny_folder: Path, tmp_path: Path) -> None:
+    """Checkpoints written by older transformers carry each layer's ``rotary_emb.inv_freq`` buffer."""
+    folder = copy_folder(tiny_folder, tmp_path / "m")
+    inv_freq = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(3)}
+    rewrite_tensors(folder, lambda t: t.update(inv_freq))
+    with_buffers, plain = load_model(folder).model, load_model(tiny_folder).model
+    for (name, a), (_, b) in zip(with_buffers.state_dict().items(), plain.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_generation_config_eos_list_joins_the_configs(tiny_folder: Path, tmp_path: Path) -> None:
+    """Llama 3.x's generation_config.json lists several end tokens (its config.json may list others)."""
+    folder = copy_folder(tiny_folder, tmp_path / "m")
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "eos_token_id": [2, 5]}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7, 9], "bos_token_id": 1}))
+    expected = set(AutoConfig.from_pretrained(folder).eos_token_id)
+    expected |= set(GenerationConfig.from_pretrained(folder).eos_token_id)
+    assert set(load_model(folder).eos_token_ids) == expected == {2, 5, 7, 9}
 
 
 def test_hub_id_offline_says_not_in_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

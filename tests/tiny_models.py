@@ -88,12 +88,24 @@ def save_tiny_model(
 ) -> torch.nn.Module:
     """Build the tiny model (of :func:`tiny_configs` or :func:`head_split_configs`) with weights perturbed
     away from their init (norms included), save it."""
-    torch.manual_seed(seed)
     config = {**tiny_configs(), **head_split_configs()}[name]
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    return save_random_model(config, folder, seed, max_shard_size)
+
+
+def save_random_model(
+    config: PretrainedConfig,
+    folder: Path,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
+    """A model of ``config`` with every weight (norms included) moved off its init, saved as safetensors in
+    ``dtype``; returned in float32."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(folder, **kwargs)
-    return model
+    model.to(dtype).save_pretrained(folder, **kwargs)
+    return model.float()

@@ -3,7 +3,6 @@
 config parsers take, per architecture (Llama family and Qwen, Gemma 3, GPT-2). Llama 3 rope scaling,
 which llama.cpp stores as a tensor of frequency divisors, is recovered from that tensor."""
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ _LLAMA3_ROPE_BANDS: dict[str, Any] = {
     "original_max_position_embeddings": 8192,
 }
 _GEMMA3_27B_LAYERS = 62
+_YARN_UNREAD = ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier")
 
 
 class GGUFMetadata:
@@ -108,8 +108,25 @@ def _rope_scaling(meta: GGUFMetadata, file: GGUFFile, theta: float, head_dim: in
     rope_type = meta.get(f"{meta.arch}.rope.scaling.type")
     if rope_type in (None, "none"):
         return None
-    # Types other than linear are passed on for the config parser to reject by name.
-    return {"rope_type": rope_type, "factor": meta.arch_float("rope.scaling.factor")}
+    # Types the config parser does not run are passed on for it to reject by name.
+    scaling = {"rope_type": rope_type, "factor": meta.arch_float("rope.scaling.factor")}
+    return scaling | _yarn_scaling(meta) if rope_type == "yarn" else scaling
+
+
+def _yarn_scaling(meta: GGUFMetadata) -> dict[str, Any]:
+    """YaRN's context and band edges; llama.cpp's further YaRN knobs have no transformers equivalent here."""
+    for key in _YARN_UNREAD:
+        if f"{meta.arch}.rope.scaling.{key}" in meta.values:
+            raise meta.error(f"YaRN rope scaling with '{meta.arch}.rope.scaling.{key}' is not supported")
+    return present(
+        {
+            "original_max_position_embeddings": meta.optional_arch_int(
+                "rope.scaling.original_context_length"
+            ),
+            "beta_fast": meta.optional_arch_float("rope.scaling.yarn_beta_fast"),
+            "beta_slow": meta.optional_arch_float("rope.scaling.yarn_beta_slow"),
+        }
+    )
 
 
 def _llama3_rope_scaling(meta: GGUFMetadata, file: GGUFFile, theta: float, head_dim: int) -> dict[str, Any]:
@@ -121,7 +138,7 @@ def _llama3_rope_scaling(meta: GGUFMetadata, file: GGUFFile, theta: float, head_
     scaled = inverse_frequencies(rope, head_dim)
     if divisors.shape != plain.shape or not torch.allclose(plain / scaled, divisors, rtol=1e-4):
         raise meta.error(f"tensor '{ROPE_FREQS}' is not a Llama 3 rope scaling this loader can reproduce")
-    return {key: value for key, value in asdict(rope).items() if key != "theta"}
+    return {"rope_type": "llama3", "factor": rope.factor, **_LLAMA3_ROPE_BANDS}
 
 
 def llama_config(meta: GGUFMetadata, file: GGUFFile) -> dict[str, Any]:

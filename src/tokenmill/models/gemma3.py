@@ -12,18 +12,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.errors import ModelLoadError
 from tokenmill.models.base import CausalLM
-from tokenmill.models.config import ConfigReader, ModelConfig
+from tokenmill.models.config import ConfigReader, ModelConfig, RopeConfig
 from tokenmill.models.layers import (
-    GeluTanhAndMul,
+    GATED_ACTIVATIONS,
     ParallelLMHead,
     PreNormLinear,
     RMSNorm,
     RotaryEmbedding,
     VocabParallelEmbedding,
 )
-from tokenmill.models.llama import FUSED_QKV_GATE_UP, GatedMLP, QKNormAttention
+from tokenmill.models.llama import FUSED_QKV_GATE_UP, GatedMLP, QKNormAttention, gated_activation_name
 
 
 def gemma3_layer_is_sliding(reader: ConfigReader, num_layers: int) -> list[bool]:
@@ -34,13 +33,34 @@ def gemma3_layer_is_sliding(reader: ConfigReader, num_layers: int) -> list[bool]
     return [(i + 1) % pattern != 0 for i in range(num_layers)]
 
 
+def gemma3_ropes(reader: ConfigReader) -> tuple[RopeConfig, RopeConfig]:
+    """(global rope, local rope): transformers 5's ``rope_parameters`` keyed by layer type, or transformers
+    4's ``rope_theta`` (1M by default) and ``rope_scaling`` for the global layers and
+    ``rope_local_base_freq`` (10k) for the local ones."""
+    params = reader.raw.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:
+        full, local = reader.rope_parameters(), {}
+    local_theta = reader.float_or("rope_local_base_freq", 10000.0)
+    return (
+        reader.rope(full, default_theta=1000000.0, nested=True),
+        reader.rope({"rope_theta": local_theta, **local}, default_theta=local_theta, nested=True),
+    )
+
+
 def parse_gemma3_config(raw: dict[str, Any], source: str) -> ModelConfig:
     r = ConfigReader(raw, source)
     if r.has("attn_logit_softcapping"):
-        raise r.error("attention logit soft-capping (Gemma 2) is not supported")
+        raise r.error(f"attn_logit_softcapping {raw['attn_logit_softcapping']!r} is not supported")
+    if r.bool_or("use_bidirectional_attention", False):
+        raise r.error(
+            "use_bidirectional_attention (an encoder's attention) is not supported: attention is causal"
+        )
     layers = r.require_int("num_hidden_layers")
     window = r.int_or("sliding_window", 4096)
     sliding = gemma3_layer_is_sliding(r, layers)
+    rope, local_rope = gemma3_ropes(r)
     return ModelConfig(
         architecture="Gemma3ForCausalLM",
         vocab_size=r.require_int("vocab_size"),
@@ -50,12 +70,12 @@ def parse_gemma3_config(raw: dict[str, Any], source: str) -> ModelConfig:
         num_heads=r.require_int("num_attention_heads"),
         num_kv_heads=r.require_int("num_key_value_heads"),
         head_dim=r.int_or("head_dim", 256),
-        max_position_embeddings=r.int_or("max_position_embeddings", 131072),
+        max_position_embeddings=rope.context_length(r.int_or("max_position_embeddings", 131072)),
         norm_eps=r.float_or("rms_norm_eps", 1e-6),
-        hidden_act=r.str_or("hidden_activation", "gelu_pytorch_tanh"),
+        hidden_act=gated_activation_name(r, "hidden_activation", "gelu_pytorch_tanh"),
         tie_word_embeddings=r.bool_or("tie_word_embeddings", True),
-        rope=r.rope("full_attention"),
-        local_rope=r.rope("sliding_attention", theta_key="rope_local_base_freq"),
+        rope=rope,
+        local_rope=local_rope,
         attention_scale=r.float_or("query_pre_attn_scalar", 256) ** -0.5,
         sliding_windows=tuple(window if s else None for s in sliding),
         qkv_bias=r.bool_or("attention_bias", False),
@@ -77,7 +97,7 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         dim, eps = config.hidden_size, config.norm_eps
         self.self_attn = Gemma3Attention(config, layer_idx, rotary)
-        self.mlp = GatedMLP(dim, config.intermediate_size, False, GeluTanhAndMul())
+        self.mlp = GatedMLP(dim, config.intermediate_size, False, GATED_ACTIVATIONS[config.hidden_act]())
         self.input_layernorm = RMSNorm(dim, eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(dim, eps, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(dim, eps, unit_offset=True)
@@ -126,9 +146,8 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(config)
         self.model = Gemma3Model(config, max_positions or config.max_position_embeddings)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if not config.tie_word_embeddings:
-            raise ModelLoadError("Gemma 3 checkpoints tie the LM head to the embeddings; this one does not")
-        self.lm_head.weight = self.model.embed_tokens.weight
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.final_logit_softcapping = ConfigReader(config.raw, "").float_or("final_logit_softcapping", 0.0)
 
     @classmethod

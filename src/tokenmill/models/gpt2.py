@@ -32,8 +32,6 @@ def parse_gpt2_config(raw: dict[str, Any], source: str) -> ModelConfig:
     activation = r.str_or("activation_function", "gelu_new")
     if activation not in _TANH_GELUS:
         raise r.error(f"activation '{activation}' is not supported (supported: {_TANH_GELUS})")
-    if r.bool_or("scale_attn_by_inverse_layer_idx", False):
-        raise r.error("scale_attn_by_inverse_layer_idx is not supported")
     layers = r.require_int("n_layer", "num_hidden_layers")
     head_dim = hidden // heads if heads else 0
     return ModelConfig(
@@ -70,9 +68,10 @@ class GPT2Attention(nn.Module):
             config.hidden_size, config.head_dim, config.num_heads, config.num_heads, True
         )
         self.c_proj = RowParallelLinear(config.hidden_size, config.hidden_size, True)
-        self.attn = Attention(
-            AttentionLayer(layer_idx, local, local, config.head_dim, config.attention_scale, None)
-        )
+        scale = config.attention_scale
+        if config.raw.get("scale_attn_by_inverse_layer_idx"):
+            scale /= layer_idx + 1  # the scores of the n-th layer (from 1) divided by n
+        self.attn = Attention(AttentionLayer(layer_idx, local, local, config.head_dim, scale, None))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.c_attn(hidden).split(self.local_size, dim=-1)

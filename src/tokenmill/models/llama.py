@@ -17,6 +17,7 @@ from tokenmill.kernels.options import KernelOptions
 from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ConfigReader, ModelConfig
 from tokenmill.models.layers import (
+    GATED_ACTIVATIONS,
     Attention,
     GatedActivation,
     GatedActivationLinear,
@@ -52,19 +53,43 @@ def local_heads(config: ModelConfig) -> tuple[int, int]:
     return local_q, kv_head_shard(config.num_kv_heads, tp, tp_rank())[0]
 
 
+QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
 def llama_sliding_windows(reader: ConfigReader, architecture: str, num_layers: int) -> tuple[int | None, ...]:
-    """Per-layer windows: ``layer_types`` when given, else Mistral's global window, else Qwen2's
-    ``use_sliding_window`` above ``max_window_layers``."""
+    """Per-layer windows as transformers reads them: Mistral's window on the ``layer_types`` marked sliding
+    (transformers runs such a config as Ministral), else on every layer; Qwen's only with
+    ``use_sliding_window``, on the ``layer_types`` marked sliding, else on the layers from
+    ``max_window_layers`` on; Llama's none."""
     window = reader.int_or("sliding_window", 0) or None
+    if architecture == "MistralForCausalLM":
+        first = 0
+    elif architecture in QWEN_ARCHITECTURES and reader.bool_or("use_sliding_window", False):
+        first = reader.int_or("max_window_layers", 28)
+    else:
+        return (None,) * num_layers
     types = reader.layer_types(num_layers)
     if types is not None:
         return tuple(window if t == "sliding_attention" else None for t in types)
+    return tuple(window if i >= first else None for i in range(num_layers))
+
+
+def llama_biases(reader: ConfigReader, architecture: str) -> tuple[bool, bool, bool]:
+    """(q/k/v bias, output projection bias, MLP bias): Qwen2 always biases q/k/v and nothing else, Mistral
+    biases nothing, Qwen3 reads ``attention_bias``, Llama ``attention_bias`` and ``mlp_bias``."""
+    if architecture == "Qwen2ForCausalLM":
+        return True, False, False
     if architecture == "MistralForCausalLM":
-        return (window,) * num_layers
-    if reader.bool_or("use_sliding_window", False):
-        first = reader.int_or("max_window_layers", num_layers)
-        return tuple(window if i >= first else None for i in range(num_layers))
-    return (None,) * num_layers
+        return False, False, False
+    attention = reader.bool_or("attention_bias", False)
+    return attention, attention, architecture == "LlamaForCausalLM" and reader.bool_or("mlp_bias", False)
+
+
+def gated_activation_name(reader: ConfigReader, key: str, default: str) -> str:
+    name = reader.str_or(key, default)
+    if name not in GATED_ACTIVATIONS:
+        raise reader.error(f"{key} '{name}' is not supported (supported: {', '.join(GATED_ACTIVATIONS)})")
+    return name
 
 
 def parse_llama_config(raw: dict[str, Any], source: str, architecture: str) -> ModelConfig:
@@ -73,7 +98,8 @@ def parse_llama_config(raw: dict[str, Any], source: str, architecture: str) -> M
     heads = r.require_int("num_attention_heads")
     layers = r.require_int("num_hidden_layers")
     head_dim = r.int_or("head_dim", hidden // heads if heads else 0)
-    bias = r.bool_or("attention_bias", architecture == "Qwen2ForCausalLM")
+    qkv_bias, output_bias, mlp_bias = llama_biases(r, architecture)
+    rope = r.rope(r.rope_parameters(), default_theta=10000.0)
     return ModelConfig(
         architecture=architecture,
         vocab_size=r.require_int("vocab_size"),
@@ -83,16 +109,16 @@ def parse_llama_config(raw: dict[str, Any], source: str, architecture: str) -> M
         num_heads=heads,
         num_kv_heads=r.int_or("num_key_value_heads", heads),
         head_dim=head_dim,
-        max_position_embeddings=r.int_or("max_position_embeddings", 4096),
+        max_position_embeddings=rope.context_length(r.int_or("max_position_embeddings", 4096)),
         norm_eps=r.float_or("rms_norm_eps", 1e-6),
-        hidden_act=r.str_or("hidden_act", "silu"),
+        hidden_act=gated_activation_name(r, "hidden_act", "silu"),
         tie_word_embeddings=r.bool_or("tie_word_embeddings", False),
-        rope=r.rope(),
+        rope=rope,
         attention_scale=head_dim**-0.5,
         sliding_windows=llama_sliding_windows(r, architecture, layers),
-        qkv_bias=bias,
-        output_bias=bias and architecture != "Qwen2ForCausalLM",
-        mlp_bias=r.bool_or("mlp_bias", False),
+        qkv_bias=qkv_bias,
+        output_bias=output_bias,
+        mlp_bias=mlp_bias,
         bos_token_id=r.int_or("bos_token_id", -1) if r.has("bos_token_id") else None,
         eos_token_ids=r.token_ids("eos_token_id"),
         raw=raw,
@@ -204,7 +230,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, self_attn: LlamaAttention) -> None:
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, SiluAndMul())
+        act = GATED_ACTIVATIONS[config.hidden_act]()
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, act)
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         # Each norm runs with the projection after it, so that the two can run as one kernel.

@@ -1,6 +1,12 @@
 """Building blocks shared by every architecture."""
 
-from tokenmill.models.layers.activation import GatedActivation, GeluTanhAndMul, SiluAndMul, gelu_tanh
+from tokenmill.models.layers.activation import (
+    GATED_ACTIVATIONS,
+    GatedActivation,
+    GeluTanhAndMul,
+    SiluAndMul,
+    gelu_tanh,
+)
 from tokenmill.models.layers.attention import Attention
 from tokenmill.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.models.layers.fusable import FusableLayer
@@ -15,6 +21,7 @@ from tokenmill.models.layers.norm import LayerNorm, RMSNorm
 from tokenmill.models.layers.rotary import RotaryEmbedding
 
 __all__ = [
+    "GATED_ACTIVATIONS",
     "Attention",
     "ColumnParallelLinear",
     "FusableLayer",

@@ -63,3 +63,14 @@ class GeluTanhAndMul(GatedActivation):
     """GeGLU with the tanh approximation of GELU (Gemma)."""
 
     kind = "gelu_tanh"
+
+
+# Config names (``hidden_act``, ``hidden_activation``) of the gated activations: transformers' three tanh
+# approximations of GELU compute the same function.
+GATED_ACTIVATIONS: dict[str, type[GatedActivation]] = {
+    "silu": SiluAndMul,
+    "swish": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul,
+    "gelu_new": GeluTanhAndMul,
+    "gelu_fast": GeluTanhAndMul,
+}

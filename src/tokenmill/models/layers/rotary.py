@@ -1,4 +1,4 @@
-"""Rotary position embeddings (rotate-half layout), with Llama 3 and linear frequency scaling.
+"""Rotary position embeddings (rotate-half layout), with linear, Llama 3 and YaRN frequency scaling.
 
 Configured with ``KernelOptions.rotary``, ``tokenmill.kernels.rotary`` rotates q and k in place in one
 launch, rounding where the PyTorch code below does.
@@ -24,7 +24,9 @@ def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scaled(inv_freq, rope)
-    return inv_freq
+    if rope.rope_type == "yarn":
+        return _yarn_scaled(inv_freq, rope, rotary_dim)
+    return inv_freq  # "default", and "dynamic" (unscaled up to max_position_embeddings)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -40,6 +42,24 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_scaled(inv_freq: torch.Tensor, rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
+    """YaRN: frequencies that turn more than ``beta_fast`` times over the original context are kept, those
+    that turn fewer than ``beta_slow`` times are divided by ``factor``, and a linear ramp over the
+    dimensions between blends the two."""
+
+    def dimension_of(rotations: float) -> float:
+        wavelength = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return rotary_dim * math.log(wavelength) / (2 * math.log(rope.theta))
+
+    low, high = dimension_of(rope.beta_fast), dimension_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    width = high - low if high != low else 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / width).clamp(0, 1)
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
+
+
 class RotaryEmbedding(FusableLayer):
     """Rotates ``q`` and ``k`` (``[T, heads, head_dim]``) by their token positions."""
 
@@ -49,9 +69,13 @@ class RotaryEmbedding(FusableLayer):
         freqs = torch.outer(
             torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(rope, rotary_dim)
         )
-        # float32 whatever the model dtype; cast at use, as the reference implementation does.
+        # float32 whatever the model dtype; cast at use, as the reference implementation does. YaRN's
+        # attention factor scales the table, so every path that reads it (kernels included) applies it.
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        if rope.attention_factor != 1.0:
+            table = table * rope.attention_factor
         self.cos_sin_cache: torch.Tensor
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
         self.configure(KernelOptions())
 
     def configure(self, options: KernelOptions) -> None:
