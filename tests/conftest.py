@@ -1,6 +1,8 @@
 """Shared fixtures."""
 
+import gc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,29 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ
     threads = max(1, (os.cpu_count() or 1) // workers)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+
+# And on a GPU, its share of the GPU's memory: PyTorch's per-process memory fraction, which engines size
+# their KV pools by (without it, the first engine sized from the GPU's memory took 90% of it, and the
+# other workers' tests ran out of memory). Set before CUDA starts, in the allocator's variable, so that the
+# processes the tests start (the command line, engine processes) keep to the share too.
+ON_GPU_HOST = torch.cuda.is_available()
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+if ON_GPU_HOST and os.environ.get("PYTEST_XDIST_WORKER"):
+    share = 0.8 / int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # the rest: CUDA contexts
+    if share < 1 and "per_process_memory_fraction" not in os.environ.get(ALLOC_CONF, ""):
+        setting = f"per_process_memory_fraction:{share:.4f}"
+        os.environ[ALLOC_CONF] = ",".join(filter(None, [os.environ.get(ALLOC_CONF), setting]))
+
+
+@pytest.fixture(autouse=True)
+def hand_back_gpu_memory() -> Iterator[None]:
+    """After each test on a GPU, the memory its dropped engines left cached goes back to the device (the
+    next engine of this worker, sized from what this process holds, would otherwise find its share taken)."""
+    yield
+    if ON_GPU_HOST and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
+
 
 # The quick subset is ``pytest -m "not slow"``. Marked slow: every test that loads a real pretrained model
 # (through the fixtures below), and these, each of which took more than 2 s on 2 cores (--durations).

@@ -20,10 +20,13 @@ from tokenmill.benchmarks.workload import WorkloadSpec, build_workload, corpus_s
 from tokenmill.cli import main as cli_main
 from tokenmill.config import FUSED_KERNEL_TOGGLES, PLAIN_PATH, EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.kernels import interpreter_enabled
 from tokenmill.loading import load_model
 
 TINY_WORKLOAD = ["--num-requests", "4", "--no-progress"]
 SMALL_KV = ["--cpu-kv-cache-gib", "0.01"]  # a small pool, whatever the workload
+# Where the Triton kernels run: compiled on a GPU, else in the interpreter on CPU tensors.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() and not interpreter_enabled() else "cpu"
 
 
 @pytest.fixture(autouse=True)
@@ -111,9 +114,10 @@ def test_missing_continuous_batching_is_reported_not_crashed() -> None:
 
 
 def _ladder_args(folder: Path, report_dir: Path | None) -> list[str]:
+    """The CPU's ladder (its rungs, its report folder), on a GPU host too."""
     ranges = ["--input-len-range", "4-12", "--output-len-range", "3-8", "--batch-size", "2"]
     where = [] if report_dir is None else ["--report-dir", str(report_dir)]
-    return ["--model", str(folder), *TINY_WORKLOAD, *ranges, *where]
+    return ["--model", str(folder), "--device", "cpu", *TINY_WORKLOAD, *ranges, *where]
 
 
 def test_ladder_reports_every_rung(
@@ -346,6 +350,8 @@ def test_throughput_refuses_when_batched_tokens_differ(
         "3",
         "--skip-hf",
         *SMALL_KV,
+        "--dtype",
+        "float32",  # the sequential re-run is float32's (a GPU's auto dtype, bfloat16, has none)
     ]
     assert throughput.main(argv) != 0
     assert "CORRECTNESS CHECK FAILED" in capsys.readouterr().err
@@ -355,9 +361,9 @@ def test_throughput_refuses_when_batched_tokens_differ(
 
 
 def test_fast_path_check_passes_for_triton_attention(tiny_llama_folder: Path) -> None:
-    loaded = load_model(tiny_llama_folder, dtype="float32")
+    loaded = load_model(tiny_llama_folder, device=TRITON_DEVICE, dtype="float32")
     config = EngineConfig().with_options(
-        device="cpu", attention_backend="triton", num_kv_blocks=64, block_size=4
+        device=TRITON_DEVICE, attention_backend="triton", num_kv_blocks=64, block_size=4
     )
     check = check_fast_path(config, loaded, [[5, 6, 7, 8, 9], [10, 11, 12], [13] * 9], max_tokens=6)
     assert check.passed, check.describe()
@@ -366,7 +372,7 @@ def test_fast_path_check_passes_for_triton_attention(tiny_llama_folder: Path) ->
 
 
 def test_fast_path_check_catches_a_wrong_kernel(tiny_llama_folder: Path, monkeypatch: Any) -> None:
-    loaded = load_model(tiny_llama_folder, dtype="float32")
+    loaded = load_model(tiny_llama_folder, device=TRITON_DEVICE, dtype="float32")
     real_forward = TritonAttentionBackend.forward
 
     def off_by_a_little(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -374,7 +380,7 @@ def test_fast_path_check_catches_a_wrong_kernel(tiny_llama_folder: Path, monkeyp
 
     monkeypatch.setattr(TritonAttentionBackend, "forward", off_by_a_little)
     config = EngineConfig().with_options(
-        device="cpu", attention_backend="triton", num_kv_blocks=64, block_size=4
+        device=TRITON_DEVICE, attention_backend="triton", num_kv_blocks=64, block_size=4
     )
     check = check_fast_path(config, loaded, [[5, 6, 7, 8, 9], [10, 11, 12]], max_tokens=6)
     assert not check.passed and "FAILED" in check.describe()
@@ -383,9 +389,9 @@ def test_fast_path_check_catches_a_wrong_kernel(tiny_llama_folder: Path, monkeyp
 
 def test_fast_path_check_over_a_float8_kv_pool(tiny_llama_folder: Path, monkeypatch: Any) -> None:
     """Both paths round K/V to e4m3: logprobs agree within the lossy tolerance; a kernel far off fails."""
-    loaded = load_model(tiny_llama_folder, dtype="float32")
+    loaded = load_model(tiny_llama_folder, device=TRITON_DEVICE, dtype="float32")
     config = EngineConfig().with_options(
-        device="cpu", attention_backend="triton", num_kv_blocks=64, block_size=4, kv_cache_dtype="fp8"
+        device=TRITON_DEVICE, attention_backend="triton", num_kv_blocks=64, block_size=4, kv_cache_dtype="fp8"
     )
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     check = check_fast_path(config, loaded, prompts, max_tokens=6)

@@ -767,12 +767,16 @@ def test_num_blocks_from_gpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 8 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 8 * gib)  # nothing handed back
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
     args = (16, 4, 2, 64, torch.bfloat16)
     assert num_blocks_from_gpu_memory(0.5, *args) == (40 - 8) * gib // per_block
     assert num_blocks_from_gpu_memory(1.0, *args) == 70 * gib // per_block  # capped by free memory
     assert num_blocks_from_gpu_memory(0.5, *args, reserve_bytes=gib) == 31 * gib // per_block
-    with pytest.raises(ValueError, match=r"0.1 x 80.00 GiB total - 8.00 GiB used by this process"):
+    with pytest.raises(ValueError, match=r"0.1 x 80.00 GiB total, .* - 8.00 GiB used by this process"):
         num_blocks_from_gpu_memory(0.1, *args)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.5)
+    assert num_blocks_from_gpu_memory(0.5, *args) == (20 - 8) * gib // per_block  # of its 40 GiB
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
         num_blocks_from_gpu_memory(1.5, *args)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -27,6 +27,8 @@ from tokenmill.reference import greedy_generate
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
+ON_CPU = ["--device", "cpu"]  # commands whose output is compared with a CPU run's
+
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))
 def test_bench_help_lists_the_benchmarks_own_options(name: str, capsys: Any) -> None:
@@ -202,7 +204,9 @@ def test_prompt_token_ids_on_dummy_weights_print_the_reference_greedy_ids(
     tiny_llama_folder: Path, capsys: Any
 ) -> None:
     config_json = str(tiny_llama_folder / "config.json")
-    argv = ["generate", "--model", config_json, "--load-format", "dummy", "--temperature", "0"]
+    # On the CPU, where the command runs in float32 as the reference greedy loop below does (a GPU's
+    # bfloat16 would flip the near-ties of random weights): these are the command's ids, not a device's.
+    argv = ["generate", "--model", config_json, "--load-format", "dummy", "--temperature", "0", *ON_CPU]
     assert main([*argv, "--prompt-token-ids", "5,17,42", "--max-tokens", "6", "--ignore-eos"]) == 0
     printed = [int(token) for token in capsys.readouterr().out.split()]
     loaded = load_model(config_json, load_format="dummy")
@@ -224,10 +228,10 @@ def test_a_dummy_model_takes_the_named_tokenizer(
     are the reference greedy ones for those ids, and the command prints their text as LLM.generate has it."""
     config_json = str(tiny_llama_folder / "config.json")
     common = ["--model", config_json, "--load-format", "dummy", "--temperature", "0", "--max-tokens", "5"]
-    common += ["--ignore-eos", "--tokenizer", str(tiny_tokenizer_folder)]
+    common += ["--ignore-eos", "--tokenizer", str(tiny_tokenizer_folder), *ON_CPU]  # as the test above
     assert main(["generate", "Hello world", *common]) == 0
     printed = capsys.readouterr().out.removesuffix("\n")
-    llm = LLM(config_json, load_format="dummy", tokenizer=str(tiny_tokenizer_folder))
+    llm = LLM(config_json, load_format="dummy", tokenizer=str(tiny_tokenizer_folder), device="cpu")
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     output = llm.generate("Hello world", greedy)[0]
     prompt_ids = Tokenizer.from_pretrained(tiny_tokenizer_folder).encode("Hello world")
@@ -285,9 +289,10 @@ def test_a_chat_turn_that_fails_is_reported_and_the_session_goes_on(smollm2: Any
 
 
 def _piped_chat(lines: list[str], *flags: str) -> subprocess.CompletedProcess[str]:
-    """``tokenmill chat FLAGS`` with ``lines`` piped into it (stdin not a terminal)."""
+    """``tokenmill chat FLAGS`` with ``lines`` piped into it (stdin not a terminal), on the CPU, as the
+    offline API over conftest's CPU load that the replies are compared with."""
     return subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "chat", *flags],
+        [sys.executable, "-m", "tokenmill.cli", "chat", *ON_CPU, *flags],
         input="\n".join(lines) + "\n",
         capture_output=True,
         text=True,

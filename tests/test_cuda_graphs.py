@@ -750,14 +750,40 @@ def test_profile_forward_runs_the_largest_step_without_the_kv_cache(tiny) -> Non
 
 
 def test_kv_budget_arithmetic() -> None:
-    memory = DeviceMemory(total_bytes=80 * GIB, free_bytes=70 * GIB, peak_used_bytes=8 * GIB)
+    # 8 GiB peak: 3 GiB of weights still held, 5 GiB of profiled activations handed back
+    memory = DeviceMemory(
+        total_bytes=80 * GIB, free_bytes=70 * GIB, peak_used_bytes=8 * GIB, reserved_bytes=3 * GIB
+    )
     assert kv_budget_bytes(memory, 0.5) == 32 * GIB
-    assert kv_budget_bytes(memory, 1.0) == 70 * GIB  # capped by what is free
     assert kv_budget_bytes(memory, 0.5, reserve_bytes=GIB) == 31 * GIB
     per_block = kv_bytes_per_block(16, 4, 2, 64, torch.bfloat16)
     assert num_blocks_for_device_memory(memory, 0.5, 16, 4, 2, 64, torch.bfloat16) == 32 * GIB // per_block
-    with pytest.raises(ValueError, match=r"0.1 x 80.00 GiB total - 8.00 GiB used .* 1.00 GiB reserved"):
+    with pytest.raises(ValueError, match=r"0.1 x 80.00 GiB total, .* 8.00 GiB used .* 1.00 GiB reserved"):
         num_blocks_for_device_memory(memory, 0.1, 16, 4, 2, 64, torch.bfloat16, reserve_bytes=GIB)
+
+
+def test_a_pool_sized_by_the_free_memory_leaves_the_activations_their_room() -> None:
+    """Others hold 60 of 80 GiB: this process, holding its 3 GiB of weights, can reach 20 + 3 GiB, and its
+    largest step needs 5 GiB beside them, so the pool gets 15 GiB (it took all 20 free GiB before, leaving
+    the step nothing: an engine on a shared GPU ran out of memory at its first prefill, or at the pool)."""
+    shared = DeviceMemory(
+        total_bytes=80 * GIB, free_bytes=20 * GIB, peak_used_bytes=8 * GIB, reserved_bytes=3 * GIB
+    )
+    budget = kv_budget_bytes(shared, 0.9)
+    assert budget == 20 * GIB + 3 * GIB - 8 * GIB
+    assert budget + shared.peak_used_bytes <= shared.free_bytes + shared.reserved_bytes  # all of it fits
+
+
+def test_a_per_process_memory_fraction_caps_the_pool() -> None:
+    """Under torch.cuda.set_per_process_memory_fraction(0.25) the process may reserve 20 of 80 GiB: 0.9 of
+    that, less the 8 GiB peak, not 0.9 of the whole device (which the allocator would refuse)."""
+    capped = DeviceMemory(80 * GIB, 70 * GIB, 8 * GIB, 3 * GIB, process_fraction=0.25)
+    assert capped.usable_bytes == 20 * GIB
+    budget = kv_budget_bytes(capped, 0.9)
+    assert budget == int(0.9 * 20 * GIB) - 8 * GIB
+    assert budget + capped.peak_used_bytes <= capped.usable_bytes
+    with pytest.raises(ValueError, match=r"0.1 x 20.00 GiB \(0.25 of 80.00\)"):
+        num_blocks_for_device_memory(capped, 0.1, 16, 4, 2, 64, torch.bfloat16)
 
 
 class FakeGpuMemory:
@@ -791,6 +817,8 @@ class FakeGpuMemory:
             "memory_allocated": lambda device=None: self.allocated,
             "max_memory_allocated": lambda device=None: self.peak_allocated,
             "max_memory_reserved": lambda device=None: self.peak_reserved,
+            "memory_reserved": lambda device=None: self.reserved,
+            "get_per_process_memory_fraction": lambda device=None: 1.0,
             "mem_get_info": lambda device=None: (self.total - self.others - self.reserved, self.total),
         }
         for name, fake in fakes.items():

@@ -165,8 +165,8 @@ def test_the_real_default_model_with_integer_inputs_agrees_with_the_float32_mode
     float32 = llm_for(request.getfixturevalue("smollm2_float32"), max_model_len=256, max_num_seqs=1)
     expected_top, expected_tokens = run(float32)
     del float32
-    packed = LLM(str(request.getfixturevalue("smollm2_gguf_path")), max_model_len=256, max_num_seqs=1,
-                 max_num_batched_tokens=16, gguf_activations=inputs)  # fmt: skip
+    packed = LLM(str(request.getfixturevalue("smollm2_gguf_path")), device="cpu", max_model_len=256,
+                 max_num_seqs=1, max_num_batched_tokens=16, gguf_activations=inputs)  # fmt: skip
     assert packed.engine.kernel_options.gguf_activations == inputs
     assert packed.engine.runner.model.model._decode_blocks is not None  # decode steps take the C blocks
     top, tokens = run(packed)
@@ -214,8 +214,8 @@ def test_decode_steps_through_the_c_blocks_give_the_python_paths_tokens_and_logp
     monkeypatch.setattr(DecodeBlocks, "run", lambda self, *a: ran.append(original(self, *a)) or ran[-1])
 
     def decode(**options: object) -> list[tuple[list[int], list[dict]]]:
-        llm = LLM(path, max_model_len=64, max_num_seqs=3, quantization="gguf", gguf_activations=inputs,
-                  **options)  # fmt: skip
+        llm = LLM(path, device="cpu", max_model_len=64, max_num_seqs=3, quantization="gguf",
+                  gguf_activations=inputs, **options)  # fmt: skip
         outputs = in_thread(lambda: llm.generate(prompts, params))
         return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
 

@@ -108,8 +108,8 @@ def test_gguf_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
 
 def test_auto_packs_only_a_float32_gguf_on_the_cpu_in_kernel_formats(tmp_path: Path) -> None:
     """``quantization`` auto (the default): ``gguf`` for a .gguf file whose projections the kernel reads,
-    loaded in float32 on the CPU; float weights for other files, dtypes and models; an engine given no
-    flags runs the packed projections with float32 inputs."""
+    loaded in float32 on the CPU; float weights for other files, dtypes and models; an engine on the CPU
+    given no other flags runs the packed projections with float32 inputs."""
     from tokenmill.llm import LLM
 
     packable = _tiny_gguf(tmp_path / "q", "llama3", Q.Q4_0)
@@ -122,7 +122,7 @@ def test_auto_packs_only_a_float32_gguf_on_the_cpu_in_kernel_formats(tmp_path: P
     save_tiny_model("llama3", folder)
     assert load_model(folder).quantization == "none"
     assert load_model("smollm2-135m", load_format="dummy").quantization == "none"
-    llm = LLM(str(packable), max_model_len=64)
+    llm = LLM(str(packable), device="cpu", max_model_len=64)  # a GPU host's auto device is cuda
     assert llm.engine.config.quantization == "gguf"
     assert llm.engine.kernel_options.gguf_activations == "float32"
     assert "; weights gguf packed, float32 inputs;" in llm.engine.describe_startup()
@@ -159,7 +159,9 @@ def test_real_models_through_the_gguf_method_decode_the_float32_greedy_tokens(
     float32 = llm_for(request.getfixturevalue(f"{model}_float32"), max_model_len=128, max_num_seqs=4)
     expected = greedy(float32, prompts[:1]), greedy(float32, prompts)
     del float32
-    packed = LLM(path, max_model_len=128, max_num_seqs=4, quantization="gguf", gguf_activations=inputs)
+    packed = LLM(
+        path, device="cpu", max_model_len=128, max_num_seqs=4, quantization="gguf", gguf_activations=inputs
+    )
     layers = [m for m in packed.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert len(layers) == 4 * packed.engine.model_config.num_layers
     assert all(layer.weight.numel() == 0 for layer in layers)

@@ -260,7 +260,9 @@ def test_a_gguf_model_written_as_a_folder_keeps_its_tokenizer_and_weights(
     """The real SmolLM2 GGUF written with round-to-nearest int8: the folder's tokenizer encodes and
     templates as the GGUF's, its end-of-sequence ids are kept, and (its LM head tied to the embedding,
     which both leave float) it computes what quantizing the GGUF at load computes."""
-    write_quantized_checkpoint(smollm2_gguf_path, tmp_path / "q", QuantizeOptions(rounding="nearest"))
+    # Written from the float32 weights that quantizing at load rounds (on a GPU it would round bfloat16)
+    options = QuantizeOptions(rounding="nearest", device="cpu")
+    write_quantized_checkpoint(smollm2_gguf_path, tmp_path / "q", options)
     at_load = load_model(smollm2_gguf_path, quantization="int8")
     written = load_model(tmp_path / "q")
     assert written.quantization == "int8" and written.eos_token_ids == at_load.eos_token_ids

@@ -36,6 +36,21 @@ def test_a_gpu_with_triton_gets_the_fast_path_without_flags() -> None:
     assert config.warm_start is True
 
 
+def test_integer_gguf_inputs_where_auto_did_not_pack_the_model_are_refused_saying_so() -> None:
+    """On a GPU ``quantization`` auto loads a .gguf file's weights as floats: integer inputs for packed
+    projections cannot apply, and the error says that auto picked 'none' there (the config check said
+    "unless quantization is 'gguf' (or 'auto', which may pick it)" of a config whose quantization was
+    auto)."""
+    config = EngineConfig().with_options(gguf_activations="int16")
+    with pytest.raises(
+        ValueError, match=r"'int16' needs packed GGUF .* 'auto' loaded this model as 'none' on cuda"
+    ):
+        resolve_config(config, HOPPER, 4096, loaded_quantization="none")
+    with pytest.raises(ValueError, match=r"as 'none' on cpu .* device='cpu', or keep gguf_activations"):
+        resolve_config(config, CPU, 4096, loaded_quantization="none")  # a float checkpoint, say
+    assert resolved(HOPPER, gguf_activations="float32").quantization == "none"
+
+
 def test_a_cpu_gets_the_reference_path_with_the_scheduling_features_on() -> None:
     config = resolved(CPU)
     assert config.kernels.attention_backend == "torch"  # no C compiler: the PyTorch reference

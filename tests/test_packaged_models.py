@@ -96,11 +96,11 @@ def test_tokenmill_chat_runs_gemma3_by_its_short_name(
     gemma3: LoadedModel, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     """The command loads the model by its short name; what it prints is what ``LLM.chat`` answers over
-    conftest's shared float32 load of the same file."""
+    conftest's shared float32 load of the same file (on the CPU: the command too, on a GPU host)."""
     from tokenmill import SamplingParams
 
     monkeypatch.setattr("sys.stdin", io.StringIO("Capital of France?\n"))  # piped: not a tty
-    args = ["chat", "--model", "gemma3-270m", "--temperature", "0", "--max-tokens", "8"]
+    args = ["chat", "--model", "gemma3-270m", "--device", "cpu", "--temperature", "0", "--max-tokens", "8"]
     assert in_thread(lambda: main(args)) == 0
     printed = capsys.readouterr().out
     llm = llm_for(gemma3)

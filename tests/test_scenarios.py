@@ -248,7 +248,9 @@ TINY_SIZES = [
 
 
 def tiny_args(folder: Path, report_dir: Path, *extra: str) -> list[str]:
-    engine = ["--cpu-kv-cache-gib", "0.01", "--block-size", "4"]
+    """On the CPU, a GPU host too: TINY_SIZES shrink the cpu preset (the gpu one's prompts outgrow the tiny
+    model's 512 positions), and a CPU-sized KV pool serves them."""
+    engine = ["--device", "cpu", "--cpu-kv-cache-gib", "0.01", "--block-size", "4"]
     return [
         "--model",
         str(folder),

@@ -1,5 +1,6 @@
 """StructuredOutputsParams: exactly one constraint, checked types, and the spec the backends compile; the
-token bitmask applied to logits, in PyTorch and in the Triton kernel (interpreter), against a plain loop."""
+token bitmask applied to logits, in PyTorch and in the Triton kernel (on the GPU, or in the interpreter
+on the CPU), against a plain loop."""
 
 import json
 import math
@@ -102,14 +103,15 @@ def test_bitmask_masks_exactly_the_clear_bits(vocab: int) -> None:
 @pytest.mark.parametrize("vocab", [100, 5000])
 def test_the_triton_bitmask_kernel_matches_pytorch(vocab: int) -> None:
     pytest.importorskip("triton")
-    from tokenmill.kernels import triton_available
+    from tokenmill.kernels import interpreter_enabled, triton_available
 
     if not triton_available():
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
     from tokenmill.kernels.token_bitmask import apply_token_bitmask as triton_apply
 
-    logits = torch.randn(4, vocab)
-    bitmask = _random_bitmask(6, vocab, seed=vocab)  # more rows than logits: the first 4 are used
+    device = "cpu" if interpreter_enabled() else "cuda"  # compiled kernels read GPU memory only
+    logits = torch.randn(4, vocab, device=device)
+    bitmask = _random_bitmask(6, vocab, seed=vocab).to(device)  # more rows than logits: the first 4 are used
     assert torch.equal(triton_apply(logits, bitmask), apply_token_bitmask(logits, bitmask))
     with pytest.raises(ValueError, match="cannot mask"):
         triton_apply(logits, bitmask[:, :2])

@@ -45,8 +45,8 @@ OPTION_HELP: dict[str, str] = {
     "block_size": "tokens per KV block (paged)",
     "num_kv_blocks": "KV pool size in blocks; unset: sized from the GPU's free memory (cuda) or from "
     "--cpu-kv-cache-gib (cpu)",
-    "gpu_memory_utilization": "share of the GPU's memory that weights, activations and the KV pool may "
-    "take together",
+    "gpu_memory_utilization": "share of the GPU's memory (of this process's share, under a per-process "
+    "memory fraction) that weights, activations and the KV pool may take together",
     "cpu_kv_cache_gib": "KV pool size on cpu, in GiB; unset: room for max_num_seqs sequences of "
     "max_model_len tokens, at most 2 GiB",
     "prefix_caching": "reuse the KV blocks of prompt prefixes seen before (radix tree, LRU); paged only; "

@@ -55,6 +55,20 @@ class DeviceMemory:
     total_bytes: int
     free_bytes: int  # free on the device right now, whoever holds the rest
     peak_used_bytes: int  # this process's peak PyTorch reservation: weights plus profiled activations
+    reserved_bytes: int  # this process's PyTorch reservation when read: the tensors it still holds
+    process_fraction: float = 1.0  # the cap torch.cuda.set_per_process_memory_fraction puts on it
+
+    @property
+    def usable_bytes(self) -> int:
+        """The device's memory, or this process's share of it under a per-process memory fraction."""
+        return int(self.total_bytes * self.process_fraction)
+
+    def describe(self) -> str:
+        if self.process_fraction >= 1:
+            return f"{self.total_bytes / _GIB:.2f} GiB total"
+        return (
+            f"{self.usable_bytes / _GIB:.2f} GiB ({self.process_fraction:g} of {self.total_bytes / _GIB:.2f})"
+        )
 
 
 def read_device_memory(device: torch.device | str | int | None = None) -> DeviceMemory:
@@ -63,15 +77,26 @@ def read_device_memory(device: torch.device | str | int | None = None) -> Device
     if not torch.cuda.is_available():
         raise ValueError("no CUDA device: size the KV cache with num_blocks_for_budget and a byte budget")
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)
-    return DeviceMemory(total_bytes, free_bytes, torch.cuda.max_memory_reserved(device))
+    return DeviceMemory(
+        total_bytes,
+        free_bytes,
+        torch.cuda.max_memory_reserved(device),
+        torch.cuda.memory_reserved(device),
+        torch.cuda.get_per_process_memory_fraction(device),
+    )
 
 
 def kv_budget_bytes(memory: DeviceMemory, gpu_memory_utilization: float, reserve_bytes: int = 0) -> int:
-    """``min(utilization x total - peak used, free) - reserve``: the KV pool may take this much."""
+    """``min(utilization x usable, free + reserved) - peak used - reserve``: the KV pool may take this much.
+
+    ``free + reserved`` is the most this process can hold while others hold the rest of the device; the
+    peak (weights and the largest step's activations) comes out of it as out of the utilization's share,
+    so a pool sized by what is free still leaves the activations it was profiled with their room."""
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    share = int(memory.total_bytes * gpu_memory_utilization) - memory.peak_used_bytes
-    return min(share, memory.free_bytes) - reserve_bytes
+    share = int(memory.usable_bytes * gpu_memory_utilization)
+    reachable = memory.free_bytes + memory.reserved_bytes
+    return min(share, reachable) - memory.peak_used_bytes - reserve_bytes
 
 
 def num_blocks_for_device_memory(
@@ -90,9 +115,10 @@ def num_blocks_for_device_memory(
         return num_blocks_for_budget(budget, block_size, num_layers, num_kv_heads, head_dim, dtype)
     except ValueError as error:
         raise ValueError(
-            f"{error}; the budget is min({gpu_memory_utilization} x {memory.total_bytes / _GIB:.2f} GiB "
-            f"total - {memory.peak_used_bytes / _GIB:.2f} GiB used by this process, "
-            f"{memory.free_bytes / _GIB:.2f} GiB free) - {reserve_bytes / _GIB:.2f} GiB reserved"
+            f"{error}; the budget is min({gpu_memory_utilization} x {memory.describe()}, "
+            f"{memory.free_bytes / _GIB:.2f} GiB free + {memory.reserved_bytes / _GIB:.2f} GiB held) - "
+            f"{memory.peak_used_bytes / _GIB:.2f} GiB used by this process at its peak - "
+            f"{reserve_bytes / _GIB:.2f} GiB reserved"
         ) from None
 
 

@@ -55,6 +55,8 @@ def resolve_config(
 ) -> EngineConfig:
     """``config`` with no ``auto`` / None setting left that the hardware decides; ``quantization`` auto
     becomes ``loaded_quantization``, the method the loader chose (``loading.loader.packs_by_default``)."""
+    if config.quantization == "auto":
+        _require_packed_gguf_for_its_inputs(config, platform, loaded_quantization)
     kernels = _resolve_kernels(config, platform)
     if config.quantization == "auto":
         config = replace(config, quantization=typing.cast(QuantizationMethod, loaded_quantization))
@@ -193,6 +195,19 @@ def _resolve_graphs(config: EngineConfig, platform: Platform) -> CudaGraphConfig
     if overlap is None:
         overlap = enabled and platform.device.type == "cuda"
     return replace(graphs, enabled=enabled, overlap_decode=overlap)
+
+
+def _require_packed_gguf_for_its_inputs(config: EngineConfig, platform: Platform, picked: str) -> None:
+    """Integer ``gguf_activations`` feed packed GGUF projections: refused, saying why, where ``auto`` did
+    not pack the model (on a GPU, say: the config check alone would say 'auto' may pick it)."""
+    inputs = config.kernels.gguf_activations
+    if inputs != "float32" and picked != "gguf":
+        raise ValueError(
+            f"EngineConfig.gguf_activations {inputs!r} needs packed GGUF projections, and quantization "
+            f"'auto' loaded this model as {picked!r} on {platform.device.type} (it packs a .gguf file "
+            "loaded in float32 on the CPU only): load it with device='cpu', or keep gguf_activations "
+            "'float32'"
+        )
 
 
 def resolve_device(device: str) -> torch.device:

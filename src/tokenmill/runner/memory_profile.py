@@ -98,12 +98,12 @@ def num_blocks_on_gpu(
     memory = read_device_memory(device)
     budget = kv_budget_bytes(memory, config.kv.gpu_memory_utilization, graph_reserve)
     logger.info(
-        "KV budget %.2f GiB = min(%.2f x %.2f GiB total - %.2f GiB peak used [%.2f GiB weights, "
-        "%.2f GiB activations of a %d-token step], %.2f GiB free) - %.3f GiB for CUDA graphs "
+        "KV budget %.2f GiB = min(%.2f x %s, %.2f GiB free + %.2f GiB held) - %.2f GiB peak used "
+        "[%.2f GiB weights, %.2f GiB activations of a %d-token step] - %.3f GiB for CUDA graphs "
         "(decode batch %d)",
-        budget / _GIB, config.kv.gpu_memory_utilization, memory.total_bytes / _GIB,
-        memory.peak_used_bytes / _GIB, weights / _GIB, step_peak / _GIB, plan.step_tokens,
-        memory.free_bytes / _GIB, graph_reserve / _GIB, plan.graph_batch,
+        budget / _GIB, config.kv.gpu_memory_utilization, memory.describe(), memory.free_bytes / _GIB,
+        memory.reserved_bytes / _GIB, memory.peak_used_bytes / _GIB, weights / _GIB, step_peak / _GIB,
+        plan.step_tokens, graph_reserve / _GIB, plan.graph_batch,
     )  # fmt: skip
     return num_blocks_for_device_memory(
         memory, config.kv.gpu_memory_utilization, *shape, reserve_bytes=graph_reserve
