@@ -28,7 +28,7 @@ def verification_rows(seq: Seq, num_drafts: int) -> list[SamplingRow]:
             seq.params,
             seq.prompt_token_ids,
             output + drafts[:i],
-            seq.banned_token_ids(len(output) + i),
+            seq.banned_token_ids(output + drafts[:i]),
         )
         for i in range(num_drafts + 1)
     ]
@@ -79,8 +79,8 @@ def verify_step(
 
 def _keeps_raw_argmax(seq: Seq) -> bool:
     """Whether every row of ``seq``'s chunk takes the argmax of its unedited logits and reports no
-    logprobs. Banned ids (EOS before ``min_tokens``) only shrink as the output grows: none now, none at
-    the draft tokens' positions."""
+    logprobs. Banned ids (EOS before ``min_tokens``; bad words make a row edited already) only shrink as
+    the output grows: none now, none at the draft tokens' positions."""
     params = seq.params
     return (
         takes_raw_argmax(params)

@@ -1,0 +1,42 @@
+"""Tokenizers built here for the tiny models: every one of their 384 ids decodes to readable text, so the
+features that work on text (stop strings, bad words, detokenizing options) can be checked on a tiny random
+model, whose outputs are then readable strings rather than stray bytes."""
+
+import string
+from pathlib import Path
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as RawTokenizer
+from transformers import PreTrainedTokenizerFast
+
+from tiny_models import VOCAB, save_tiny_model
+
+SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: the tiny configs' BOS 1 and EOS 2
+_CHARACTERS = string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,!?"
+
+
+def build_character_bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """A BPE tokenizer of exactly ``VOCAB`` ids: the specials, single characters, then pairs of characters
+    (merges) until the vocabulary is full; the decoder joins the pieces as they are."""
+    vocab = {name: index for index, name in enumerate(SPECIALS)}
+    for char in _CHARACTERS:
+        vocab[char] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    pairs = ((a, b) for a in "etaoinsr hlcdu" for b in string.ascii_lowercase + " ")
+    for first, second in pairs:
+        if len(vocab) == VOCAB:
+            break
+        vocab.setdefault(first + second, len(vocab))
+        merges.append((first, second))
+    raw = RawTokenizer(models.BPE(vocab, merges, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split("\0", "isolated")  # none, in effect: spaces stay in the text
+    raw.decoder = decoders.Fuse()
+    raw.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in SPECIALS])
+    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def save_tiny_text_model(folder: Path) -> Path:
+    """The tiny Llama 3 model with the character tokenizer beside it, as one model folder."""
+    save_tiny_model("llama3", folder)
+    build_character_bpe_tokenizer().save_pretrained(folder)
+    return folder
