@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from engine_helpers import engine_for, llm_for, run_to_completion
 from tiny_tokenizers import save_tiny_text_model
-from tokenmill import SamplingParams
+from tokenmill import SamplingParams, StructuredOutputsParams
 from tokenmill.bad_words import bad_words_token_ids
 from tokenmill.engine.stop_strings import StopStringDetokenizer
 from tokenmill.loading import LoadedModel, load_model
@@ -250,6 +250,27 @@ def test_sampled_tokens_stay_within_allowed_token_ids(model: LoadedModel, specul
     outputs = generate(model, params, **(SPECULATIVE if speculative else {}))
     assert all(set(output.token_ids) <= set(allowed) for output in outputs)
     assert len({tuple(output.token_ids) for output in outputs}) > 1
+
+
+def test_allowed_token_ids_and_a_grammar_both_hold(
+    model: LoadedModel, hf_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """With structured outputs both masks apply: of a grammar's choices, the one the allowed ids can spell
+    is written, whichever the grammar alone would pick."""
+    choices = ["hello there", "cat dog"]
+    constraint = StructuredOutputsParams(choice=choices)
+    texts = set()
+    for choice in choices:
+        allowed = sorted({*hf_tokenizer.encode(choice, add_special_tokens=False), EOS})
+        params = SamplingParams(
+            temperature=0, max_tokens=20, structured_outputs=constraint, allowed_token_ids=allowed
+        )
+        output = generate(model, params)[0]
+        assert (output.text, output.finish_reason) == (choice, "stop") and set(output.token_ids) <= set(
+            allowed
+        )
+        texts.add(output.text)
+    assert texts == set(choices)
 
 
 def test_eos_passes_allowed_token_ids_only_when_listed(model: LoadedModel) -> None:

@@ -13,24 +13,25 @@ from tiny_models import VOCAB, save_tiny_model
 
 SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: the tiny configs' BOS 1 and EOS 2
 _CHARACTERS = string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,!?"
+_SPACE = {" ": "Ġ"}  # how byte-level BPE writes the space byte in its vocabulary
 
 
 def build_character_bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """A BPE tokenizer of exactly ``VOCAB`` ids: the specials, single characters, then pairs of characters
-    (merges) until the vocabulary is full; the decoder joins the pieces as they are."""
+    """A byte-level BPE tokenizer (GPT-2's layout, "Ġ" for a space) of exactly ``VOCAB`` ids: the specials,
+    single characters, then pairs of characters (merges) until the vocabulary is full."""
     vocab = {name: index for index, name in enumerate(SPECIALS)}
     for char in _CHARACTERS:
-        vocab[char] = len(vocab)
+        vocab[_SPACE.get(char, char)] = len(vocab)
     merges: list[tuple[str, str]] = []
     pairs = ((a, b) for a in "etaoinsr hlcdu" for b in string.ascii_lowercase + " ")
-    for first, second in pairs:
+    for first, second in (tuple(_SPACE.get(char, char) for char in pair) for pair in pairs):
         if len(vocab) == VOCAB:
             break
         vocab.setdefault(first + second, len(vocab))
         merges.append((first, second))
     raw = RawTokenizer(models.BPE(vocab, merges, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Split("\0", "isolated")  # none, in effect: spaces stay in the text
-    raw.decoder = decoders.Fuse()
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    raw.decoder = decoders.ByteLevel()
     raw.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in SPECIALS])
     return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
