@@ -36,8 +36,18 @@ def build_character_bpe_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
+# A plain chat template, so the chat route can be tried on the tiny model.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
 def save_tiny_text_model(folder: Path) -> Path:
-    """The tiny Llama 3 model with the character tokenizer beside it, as one model folder."""
+    """The tiny Llama 3 model with the character tokenizer (and a chat template) beside it, as one model
+    folder."""
     save_tiny_model("llama3", folder)
-    build_character_bpe_tokenizer().save_pretrained(folder)
+    tokenizer = build_character_bpe_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
     return folder
