@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from engine_helpers import engine_for, llm_for, run_to_completion
 from tiny_tokenizers import save_tiny_text_model
-from tokenmill import SamplingParams, StructuredOutputsParams
+from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.bad_words import bad_words_token_ids
 from tokenmill.engine.stop_strings import StopStringDetokenizer
 from tokenmill.loading import LoadedModel, load_model
@@ -47,13 +47,21 @@ def hf_model(folder: Path) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
-def generate(model: LoadedModel, params: SamplingParams, **engine: Any) -> list[CompletionOutput]:
-    return llm_for(model, **engine).generate(PROMPT, params)[0].outputs
+@pytest.fixture(scope="module")
+def llms(model: LoadedModel) -> dict[bool, LLM]:
+    """An offline LLM without and with (n-gram) speculative decoding, shared by the module's tests."""
+    return {False: llm_for(model), True: llm_for(model, **SPECULATIVE)}
 
 
-def free_run(model: LoadedModel, **params: Any) -> list[CompletionOutput]:
+def generate(
+    llms: dict[bool, LLM], params: SamplingParams, speculative: bool = False
+) -> list[CompletionOutput]:
+    return llms[speculative].generate(PROMPT, params)[0].outputs
+
+
+def free_run(llms: dict[bool, LLM], **params: Any) -> list[CompletionOutput]:
     """What the request gives with nothing stopping it early."""
-    return generate(model, SamplingParams(**{"max_tokens": 24, "ignore_eos": True, **params}))
+    return generate(llms, SamplingParams(**{"max_tokens": 24, "ignore_eos": True, **params}))
 
 
 def prompt_ids(hf_tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -91,18 +99,18 @@ def cut_at_stops(
 
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_strings_cut_or_keep_the_stop_string_for_every_sample(
-    model: LoadedModel, hf_tokenizer: PreTrainedTokenizerBase, include: bool
+    llms: dict[bool, LLM], hf_tokenizer: PreTrainedTokenizerBase, include: bool
 ) -> None:
     """n seeded samples with logprobs: each ends at the stop string (kept with the flag), its tokens and
     logprobs those of the uncut run up to the token that completes it; the streamed pieces add up to it."""
     sampled = {"n": 3, "temperature": 1.0, "seed": 11, "logprobs": 2}
-    uncut = free_run(model, **sampled)
+    uncut = free_run(llms, **sampled)
     stops = [uncut[0].text[9:11], uncut[1].text[5:8], uncut[2].text[12:13]]
     params = SamplingParams(
         max_tokens=24, ignore_eos=True, stop=stops, include_stop_str_in_output=include, **sampled
     )
     # RequestOutput.apply joins the streamed pieces: the text checked below is what a stream adds up to.
-    outputs = run_to_completion(engine_for(model), {"r": (prompt_ids(hf_tokenizer), params)})["r"].outputs
+    outputs = run_to_completion(llms[False].engine, {"r": (prompt_ids(hf_tokenizer), params)})["r"].outputs
     for full, output in zip(uncut, outputs, strict=True):
         tokens, text, stop = cut_at_stops(hf_tokenizer, full.token_ids, stops, include)
         assert (output.token_ids, output.text, output.stop_reason) == (tokens, text, stop)
@@ -115,37 +123,37 @@ def test_stop_strings_cut_or_keep_the_stop_string_for_every_sample(
 
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_strings_under_speculative_steps(
-    model: LoadedModel, hf_tokenizer: PreTrainedTokenizerBase, include: bool
+    llms: dict[bool, LLM], hf_tokenizer: PreTrainedTokenizerBase, include: bool
 ) -> None:
     """Steps that keep several tokens at once end where a stop string ends, as token-by-token steps do."""
-    uncut = free_run(model, temperature=0)[0]
+    uncut = free_run(llms, temperature=0)[0]
     text = uncut.text  # repetitive, as a tiny random model's greedy text is: n-gram guesses come true
     stops = [next(text[i : i + 3] for i in range(20, len(text)) if text.find(text[i : i + 3]) == i)]
     params = SamplingParams(temperature=0, max_tokens=24, stop=stops, include_stop_str_in_output=include)
-    output = generate(model, params, **SPECULATIVE)[0]
+    output = generate(llms, params, speculative=True)[0]
     tokens, text, stop = cut_at_stops(hf_tokenizer, uncut.token_ids, stops, include)
     assert (output.token_ids, output.text, output.stop_reason) == (tokens, text, stop)
     assert output.spec_decode is not None and output.spec_decode.num_accepted > 0
 
 
 def test_a_stop_token_s_text_is_left_out_unless_included(
-    model: LoadedModel, hf_tokenizer: PreTrainedTokenizerBase
+    llms: dict[bool, LLM], hf_tokenizer: PreTrainedTokenizerBase
 ) -> None:
     """As vLLM: the token of ``stop_token_ids`` (or EOS) that ends the output stays in its token ids, and its
     text only with ``include_stop_str_in_output``."""
-    uncut = free_run(model, temperature=0)[0].token_ids
+    uncut = free_run(llms, temperature=0)[0].token_ids
     stop_token = uncut[6]
     end = uncut.index(stop_token) + 1
     for include in (False, True):
         params = SamplingParams(
             temperature=0, stop_token_ids=[stop_token], include_stop_str_in_output=include
         )
-        output = generate(model, params)[0]
+        output = generate(llms, params)[0]
         assert (output.token_ids, output.stop_reason) == (uncut[:end], stop_token)
         assert output.text == hf_tokenizer.decode(uncut[: end if include else end - 1])
     forced_eos = {"temperature": 0, "logit_bias": {EOS: 100.0}, "min_tokens": 3, "skip_special_tokens": False}
     for include in (False, True):
-        output = generate(model, SamplingParams(include_stop_str_in_output=include, **forced_eos))[0]
+        output = generate(llms, SamplingParams(include_stop_str_in_output=include, **forced_eos))[0]
         assert len(output.token_ids) == 4 and output.token_ids[-1] == EOS and output.finish_reason == "stop"
         shown = output.token_ids if include else output.token_ids[:-1]
         assert output.text == hf_tokenizer.decode(shown, skip_special_tokens=False)
@@ -203,18 +211,18 @@ def vllm_stop_by_token(
 
 
 def test_a_stop_string_ended_within_min_tokens_does_not_stop_later(
-    model: LoadedModel, hf_tokenizer: PreTrainedTokenizerBase
+    llms: dict[bool, LLM], hf_tokenizer: PreTrainedTokenizerBase
 ) -> None:
     """A stop string whose text ends within the first ``min_tokens`` tokens is never matched afterwards;
     one ending in the next token's text is."""
-    uncut = free_run(model, temperature=1.0, seed=3)[0].token_ids
+    uncut = free_run(llms, temperature=1.0, seed=3)[0].token_ids
     texts = [hf_tokenizer.decode(uncut[:count]) for count in range(len(uncut) + 1)]
     min_tokens = next(m for m in range(3, 12) if texts[m][-1] not in texts[m + 1][len(texts[m]) :])
     stops = [texts[min_tokens][-1], "\0\0\0"]  # the longer one makes the engine search further back
     expected = vllm_stop_by_token(hf_tokenizer, uncut, stops, min_tokens)
     assert expected != min_tokens + 1  # the first checked token does not end a stop string itself
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, stop=stops)
-    output = generate(model, SamplingParams(**{**vars(params), "min_tokens": min_tokens}))[0]
+    output = generate(llms, SamplingParams(**{**vars(params), "min_tokens": min_tokens}))[0]
     assert output.token_ids == uncut[:expected]
 
 
@@ -222,7 +230,10 @@ def test_a_stop_string_ended_within_min_tokens_does_not_stop_later(
 
 
 def test_allowed_token_ids_greedy_matches_a_masked_reference(
-    model: LoadedModel, hf_tokenizer: PreTrainedTokenizerBase, hf_model: PreTrainedModel
+    model: LoadedModel,
+    llms: dict[bool, LLM],
+    hf_tokenizer: PreTrainedTokenizerBase,
+    hf_model: PreTrainedModel,
 ) -> None:
     """Greedy under the mask equals transformers' argmax over the allowed ids, step by step; the logprobs
     are the model's own (vLLM's raw logprobs), not renormalised over the allowed ids."""
@@ -231,9 +242,9 @@ def test_allowed_token_ids_greedy_matches_a_masked_reference(
     everything_else = sorted(set(range(384)) - set(allowed))
     expected = masked_greedy(hf_model, prompt, 12, lambda _: everything_else)
     params = SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=allowed, logprobs=3)
-    output = generate(model, params)[0]
+    output = generate(llms, params)[0]
     assert output.token_ids == expected
-    assert expected != free_run(model, temperature=0, max_tokens=12)[0].token_ids[:12]  # the mask mattered
+    assert expected != free_run(llms, temperature=0, max_tokens=12)[0].token_ids[:12]  # the mask mattered
     with torch.no_grad():
         raw = torch.log_softmax(hf_model(torch.tensor([prompt + expected])).logits[0], dim=-1)
     assert output.logprobs is not None
@@ -244,16 +255,16 @@ def test_allowed_token_ids_greedy_matches_a_masked_reference(
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-def test_sampled_tokens_stay_within_allowed_token_ids(model: LoadedModel, speculative: bool) -> None:
+def test_sampled_tokens_stay_within_allowed_token_ids(llms: dict[bool, LLM], speculative: bool) -> None:
     allowed = [5, 17, 64, 200, 301, 383]
     params = SamplingParams(n=4, temperature=1.5, seed=2, max_tokens=16, allowed_token_ids=allowed)
-    outputs = generate(model, params, **(SPECULATIVE if speculative else {}))
+    outputs = generate(llms, params, speculative)
     assert all(set(output.token_ids) <= set(allowed) for output in outputs)
     assert len({tuple(output.token_ids) for output in outputs}) > 1
 
 
 def test_allowed_token_ids_and_a_grammar_both_hold(
-    model: LoadedModel, hf_tokenizer: PreTrainedTokenizerBase
+    llms: dict[bool, LLM], hf_tokenizer: PreTrainedTokenizerBase
 ) -> None:
     """With structured outputs both masks apply: of a grammar's choices, the one the allowed ids can spell
     is written, whichever the grammar alone would pick."""
@@ -265,7 +276,7 @@ def test_allowed_token_ids_and_a_grammar_both_hold(
         params = SamplingParams(
             temperature=0, max_tokens=20, structured_outputs=constraint, allowed_token_ids=allowed
         )
-        output = generate(model, params)[0]
+        output = generate(llms, params)[0]
         assert (output.text, output.finish_reason) == (choice, "stop") and set(output.token_ids) <= set(
             allowed
         )
@@ -273,13 +284,13 @@ def test_allowed_token_ids_and_a_grammar_both_hold(
     assert texts == set(choices)
 
 
-def test_eos_passes_allowed_token_ids_only_when_listed(model: LoadedModel) -> None:
+def test_eos_passes_allowed_token_ids_only_when_listed(llms: dict[bool, LLM]) -> None:
     """vLLM adds nothing to ``allowed_token_ids``: with EOS pushed up by logit bias, a request whose list
     leaves EOS out runs to ``max_tokens``; listing it ends the request on it."""
     pushed = {"temperature": 0, "max_tokens": 8, "logit_bias": {EOS: 50.0}}
-    without = generate(model, SamplingParams(allowed_token_ids=[10, 11, 12], **pushed))[0]
+    without = generate(llms, SamplingParams(allowed_token_ids=[10, 11, 12], **pushed))[0]
     assert without.finish_reason == "length" and len(without.token_ids) == 8 and EOS not in without.token_ids
-    with_eos = generate(model, SamplingParams(allowed_token_ids=[10, 11, 12, EOS], **pushed))[0]
+    with_eos = generate(llms, SamplingParams(allowed_token_ids=[10, 11, 12, EOS], **pushed))[0]
     assert (with_eos.token_ids, with_eos.finish_reason) == ([EOS], "stop")
 
 
@@ -323,11 +334,11 @@ def completing(words: list[list[int]], output: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("speculative", [False, True])
 def test_bad_words_greedy_matches_a_reference_that_bans_them(
-    model: LoadedModel, hf_tokenizer: PreTrainedTokenizerBase, hf_model: PreTrainedModel, speculative: bool
+    llms: dict[bool, LLM], hf_tokenizer: PreTrainedTokenizerBase, hf_model: PreTrainedModel, speculative: bool
 ) -> None:
     """Words picked from the free run's own text (one of them several tokens long, one written with a
     leading space): the output equals transformers' greedy run with vLLM's ban applied at each step."""
-    uncut = free_run(model, temperature=0)[0]
+    uncut = free_run(llms, temperature=0)[0]
     text = uncut.text
     words = [text[2:5], " " + text[8:10].strip(), hf_tokenizer.decode(uncut.token_ids[4:5])]
     sequences = vllm_bad_word_ids(hf_tokenizer, words)
@@ -335,7 +346,7 @@ def test_bad_words_greedy_matches_a_reference_that_bans_them(
     expected = masked_greedy(hf_model, prompt_ids(hf_tokenizer), 24, lambda out: completing(sequences, out))
     assert expected != uncut.token_ids
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=words)
-    output = generate(model, params, **(SPECULATIVE if speculative else {}))[0]
+    output = generate(llms, params, speculative)[0]
     assert output.token_ids == expected
 
 
