@@ -255,6 +255,32 @@ def test_a_match_made_stale_by_eviction_cannot_be_locked() -> None:
     cache.check_integrity(manager)
 
 
+def test_each_cache_salt_has_a_tree_of_its_own() -> None:
+    """vLLM's ``cache_salt``: the same tokens cached under one salt are found under that salt only (and the
+    unsalted tree only unsalted); locks and checks cover every tree, and a salt whose blocks are all evicted
+    is forgotten."""
+    manager, cache = make_cache(16, 4)
+    prompt = list(range(13))
+    cached: dict[str | None, tuple[int, ...]] = {}
+    for salt in ("a", "b", None):
+        assert cache.match_prefix(prompt, salt).blocks == ()  # not even another salt's blocks
+        manager.allocate(f"seq-{salt}", len(prompt))
+        table = manager.block_table(f"seq-{salt}")
+        assert cache.insert(prompt, table, salt) == 3
+        manager.free(f"seq-{salt}")
+        cached[salt] = tuple(table[:3])
+        cache.check_integrity(manager)
+    assert len(set(cached.values())) == 3
+    assert {salt: cache.match_prefix(prompt, salt).blocks for salt in cached} == cached
+    hit = admit(manager, cache, "reader", [*prompt[:8], 99])  # unsalted, locked while it reads
+    assert hit.blocks == cached[None][:2]
+    assert cache.evict(16) == 7  # both salts' blocks and the unsalted third block
+    assert cache.match_prefix(prompt, "a").blocks == () and cache._salted_roots == {}
+    cache.check_integrity(manager)
+    finish(manager, cache, "reader", hit)
+    cache.check_integrity(manager)
+
+
 def test_integrity_check_catches_corruption() -> None:
     manager, cache = make_cache(8, 2)
     run_to_cache(manager, cache, "a", [1, 1, 2, 2, 3])

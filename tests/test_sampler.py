@@ -104,6 +104,8 @@ def reference_penalised(
         values[token] += bias
     for token in banned:
         values[token] = -math.inf
+    if params.allowed_token_ids is not None:
+        values = [v if t in params.allowed_token_ids else -math.inf for t, v in enumerate(values)]
     for token in set(prompt) | set(output):
         penalty = params.repetition_penalty
         values[token] = values[token] / penalty if values[token] > 0 else values[token] * penalty
@@ -287,6 +289,8 @@ def penalty_rows(vocab: int) -> list[tuple[SamplingParams, list[int], list[int],
         (SamplingParams(presence_penalty=-1.0, frequency_penalty=-0.3), ids(2), ids(9), []),
         (SamplingParams(logit_bias={0: 5.0, 7: -3.5, 11: 0.25}), ids(3), ids(3), []),
         (SamplingParams(), ids(3), ids(2), [2, 5, 9]),
+        (SamplingParams(allowed_token_ids=[1, 5, 6, 20]), ids(3), ids(2), []),
+        (SamplingParams(allowed_token_ids=[0, 3, 4, 9], logit_bias={4: 2.0, 8: 9.0}), ids(4), ids(3), [3]),
         (
             SamplingParams(
                 repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=1.0, logit_bias={4: 1.0}
@@ -508,6 +512,21 @@ def test_fused_draw_mixes_greedy_and_filtered_rows(fused_device: torch.device) -
     assert (tokens[2::3] == SMALL_LOGITS.index(max(SMALL_LOGITS))).all()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "triton"])
+def test_draws_keep_to_allowed_token_ids(device: torch.device, fused: bool) -> None:
+    """Rows with allowed ids draw only those (the likeliest token left out on purpose), rows without draw
+    from the whole vocabulary, in one batch."""
+    if fused and not triton_runs_on(device):
+        pytest.skip(f"Triton kernels cannot run on {device} here")
+    vocab, allowed = 50, [3, 17, 40]
+    logits = torch.zeros(600, vocab, device=device)
+    logits[:, 7] = 3.0
+    rows = [SamplingRow(SamplingParams(allowed_token_ids=allowed if i % 2 else None)) for i in range(600)]
+    tokens = sample(logits, rows, fused=fused).token_ids.cpu()
+    assert set(tokens[1::2].tolist()) == set(allowed)
+    assert 7 in tokens[0::2].tolist() and len(set(tokens[0::2].tolist())) > 10
+
+
 def test_fused_draw_keeps_only_what_the_pytorch_filters_keep(fused_device: torch.device) -> None:
     """Over a wide vocabulary (several column ranges per row), every drawn token survives the PyTorch
     filters at the same temperature, ties at the top-k boundary included; greedy rows are the argmax."""
@@ -617,6 +636,12 @@ INVALID_PARAMS = [
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"logit_bias": {5: 101.0}}, "logit_bias"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"),
+    ({"bad_words": [""]}, "bad_words"),
+    ({"bad_words": "word"}, "bad_words"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"spaces_between_special_tokens": None}, "spaces_between_special_tokens"),
 ]
 
 
@@ -631,6 +656,9 @@ def test_params_defaults_and_normalisation() -> None:
     assert (params.n, params.temperature, params.top_p, params.top_k, params.min_p) == (1, 1.0, 1.0, 0, 0.0)
     assert (params.max_tokens, params.min_tokens, params.stop, params.stop_token_ids) == (16, 0, (), [])
     assert params.logprobs is None and params.skip_special_tokens and not params.ignore_eos
+    assert params.spaces_between_special_tokens and not params.include_stop_str_in_output
+    assert (params.allowed_token_ids, params.bad_words) == (None, [])
+    assert SamplingParams(bad_words=["a", "b", "a"]).bad_words == ["a", "b"]  # as vLLM, each word once
     assert SamplingParams(stop="###").stop == ("###",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     vllm_style: dict[str, Any] = {"stop": None}  # accepted at run time, though typed as Sequence[str]

@@ -17,13 +17,7 @@ CHAT: list[Any] = [{"role": "user", "content": "Hi"}]
 BOTH = [
     ("use_beam_search", True, False),
     ("length_penalty", 0.5, 1.0),
-    ("include_stop_str_in_output", True, False),
-    ("spaces_between_special_tokens", False, True),
-    ("allowed_token_ids", [1, 2], None),
-    ("bad_words", ["Paris"], []),
     ("logits_processors", ["my.Processor"], None),
-    ("return_tokens_as_token_ids", True, False),
-    ("cache_salt", "salt", None),
     ("kv_transfer_params", {"do_remote_prefill": True}, None),
     ("vllm_xargs", {"a": 1}, None),
     ("guided_decoding_backend", "outlines", None),

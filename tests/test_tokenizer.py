@@ -14,12 +14,14 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, decoders, models, normalizers, processors
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as RawTokenizer
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from tokenmill.engine.stop_strings import StopStringDetokenizer
 from tokenmill.errors import TokenizerError
 from tokenmill.loading.gguf_tokenizer import gguf_hf_tokenizer
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -403,3 +405,61 @@ def test_detokenizer_decodes_a_bounded_window(smollm2: Case, monkeypatch: pytest
     monkeypatch.undo()
     assert "".join(pieces) == tok.decode(ids)
     assert len(ids) > 500 and max(window_sizes) <= 8
+
+
+# --- spaces_between_special_tokens ------------------------------------------------------------------------
+
+
+def build_wordpiece_hf_tokenizer() -> PreTrainedTokenizerFast:
+    """A BERT-style tokenizer: its WordPiece decoder puts a space between tokens, special ones included."""
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "world": 4, "##s": 5, "!": 6}
+    raw = RawTokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    raw.decoder = decoders.WordPiece()
+    raw.add_special_tokens([AddedToken(name, special=True) for name in ("[UNK]", "[CLS]", "[SEP]")])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]"
+    )
+
+
+def joined_specials_reference(hf: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """vLLM's ``spaces_between_special_tokens=False``, one token at a time: each token adds what the decoded
+    text gains with it, except an added token right after another, which adds its own text alone."""
+    added = {token_id: token.content for token_id, token in hf.added_tokens_decoder.items()}
+    text = ""
+    for index, token in enumerate(ids):
+        if token in added and index > 0 and ids[index - 1] in added:
+            text += added[token]
+        else:
+            text += hf.decode(ids[: index + 1])[len(hf.decode(ids[:index])) :]
+    return text
+
+
+@given(ids=st.lists(st.integers(0, 6), max_size=14), chunk=st.integers(1, 3))
+@settings(max_examples=60, deadline=None)
+def test_no_spaces_between_special_tokens_joins_them_as_vllm_does(ids: list[int], chunk: int) -> None:
+    hf = build_wordpiece_hf_tokenizer()
+    tok = Tokenizer(hf)
+    joined = IncrementalDetokenizer(tok, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert "".join(stream(joined, ids, chunk)) == joined_specials_reference(hf, ids)
+    spaced = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    assert "".join(stream(spaced, ids, chunk)) == hf.decode(ids)
+    assert hf.decode([3, 1, 2, 2, 4]) == "hello [CLS] [SEP] [SEP] world"
+    assert joined_specials_reference(hf, [3, 1, 2, 2, 4]) == "hello [CLS][SEP][SEP] world"
+
+
+def test_sampling_params_choose_the_engine_s_detokenizing() -> None:
+    """``SamplingParams``' two detokenizing options reach the engine's per-sequence text."""
+    hf = build_wordpiece_hf_tokenizer()
+    ids = [3, 1, 2, 6]
+    for spaces, expected in ((True, hf.decode(ids)), (False, joined_specials_reference(hf, ids))):
+        params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        text = StopStringDetokenizer(Tokenizer(hf), [], params)
+        text.append(ids)
+        text.finish()
+        assert text.release(finished=True) == expected
+    assert expected != hf.decode(ids)
+    skipping = StopStringDetokenizer(Tokenizer(hf), [], SamplingParams(spaces_between_special_tokens=False))
+    skipping.append(ids)
+    skipping.finish()
+    assert skipping.release(finished=True) == hf.decode(ids, skip_special_tokens=True)

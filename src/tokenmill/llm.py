@@ -15,7 +15,7 @@ from tokenmill.scheduler.scheduler import SchedulerStats
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.tokenizer.token_texts import TokenTexts
 
-Prompt: TypeAlias = str | Mapping[str, Any]  # text, or {"prompt_token_ids": [...]}
+Prompt: TypeAlias = str | Mapping[str, Any]  # text, or {"prompt_token_ids": [...]} (with "cache_salt")
 Message: TypeAlias = Mapping[str, Any]
 
 
@@ -50,7 +50,8 @@ class LLM:
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in the order given. ``priority`` (one for all prompts, or one
-        per prompt; lower is served first) needs ``scheduling_policy="priority"``."""
+        per prompt; lower is served first) needs ``scheduling_policy="priority"``. A prompt dict may carry
+        a ``cache_salt`` (vLLM's): it shares prefix-cache blocks only with prompts of the same salt."""
         if not isinstance(prompts, str | Mapping | Iterable):
             raise TokenmillError(f"prompts must be a prompt or a list of prompts, got {prompts!r}")
         prompt_list = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
@@ -61,7 +62,8 @@ class LLM:
             for prompt, params, request_priority in zip(prompt_list, params_list, priorities, strict=True):
                 request_id = str(next(self._ids))
                 text, prompt_input = _split_prompt(prompt)
-                prompt_ids = self.engine.add_request(request_id, prompt_input, params, request_priority)
+                salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+                prompt_ids = self.engine.add_request(request_id, prompt_input, params, request_priority, salt)
                 completions = [CompletionOutput(index=i) for i in range(params.n)]
                 outputs[request_id] = RequestOutput(request_id, text, prompt_ids, completions)
             self._run(outputs, use_tqdm)

@@ -40,6 +40,30 @@ def _normalise_stop_token_ids(stop_token_ids: Sequence[int] | None) -> list[int]
     return list(stop_token_ids)
 
 
+def _normalise_allowed_token_ids(allowed: Sequence[int] | None) -> list[int] | None:
+    """None (no restriction), or a non-empty list of ids >= 0 (checked against the vocabulary later)."""
+    if allowed is None:
+        return None
+    requirement = "None or a non-empty list of token ids >= 0"
+    ok = not isinstance(allowed, str | bytes) and isinstance(allowed, Sequence) and len(allowed) > 0
+    _require(ok, "allowed_token_ids", requirement, allowed)
+    for token_id in allowed:
+        _require(_is_int(token_id) and token_id >= 0, "allowed_token_ids", requirement, allowed)
+    return list(allowed)
+
+
+def _normalise_bad_words(bad_words: Sequence[str] | None) -> list[str]:
+    """A list of non-empty strings, each once (None is none); a lone string is refused, not split."""
+    if bad_words is None:
+        return []
+    requirement = "a list of non-blank strings"
+    ok = not isinstance(bad_words, str | bytes) and isinstance(bad_words, Sequence)
+    _require(ok, "bad_words", requirement, bad_words)
+    for word in bad_words:
+        _require(isinstance(word, str) and word.strip() != "", "bad_words", requirement, bad_words)
+    return list(dict.fromkeys(bad_words))
+
+
 def _normalise_stop(stop: Sequence[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -59,11 +83,18 @@ class SamplingParams:
     tokens whose probability is at least ``min_p`` times the most likely token's. ``repetition_penalty``
     (HF semantics) applies over prompt and output tokens; ``presence_penalty`` / ``frequency_penalty``
     (OpenAI semantics) over output tokens only. ``max_tokens`` None means up to the context limit.
-    ``min_tokens`` bans EOS and ``stop_token_ids`` until that many tokens were generated. ``logprobs`` is the
-    number of top alternatives returned besides the sampled token. ``structured_outputs`` constrains the
-    output to a JSON schema, regex, choice or grammar; the logprobs of a constrained request are those of
-    the constrained distribution (the model's logits with the tokens its grammar forbids masked out).
-    ``speculative`` False opts the request out of the engine's speculative decoding (if it is on).
+    ``min_tokens`` bans EOS and ``stop_token_ids`` until that many tokens were generated. The text stops
+    before a ``stop`` string and leaves out the text of a stop token (EOS, ``stop_token_ids``) that ends it;
+    ``include_stop_str_in_output`` keeps both. ``logprobs`` is the number of top alternatives returned
+    besides the sampled token. ``structured_outputs`` constrains the output to a JSON schema, regex, choice
+    or grammar; the logprobs of a constrained request are those of the constrained distribution (the model's
+    logits with the tokens its grammar forbids masked out). ``allowed_token_ids`` restricts every step to
+    those tokens (EOS too, unless listed); ``bad_words`` bans each word's token sequence (the last token,
+    where the output so far ends with the others), as vLLM does; like logit bias and penalties, neither
+    changes the logprobs reported (the model's, as vLLM v1 returns them). ``spaces_between_special_tokens``
+    False joins consecutive special tokens without the separator a tokenizer's decoder may put between
+    them (with ``skip_special_tokens`` False). ``speculative`` False opts the request out of the engine's
+    speculative decoding (if it is on).
     """
 
     n: int = 1
@@ -84,13 +115,19 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
     structured_outputs: StructuredOutputsParams | None = None
     speculative: bool = True
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        self.allowed_token_ids = _normalise_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = _normalise_bad_words(self.bad_words)
         self._validate_sampling()
         self._validate_penalties()
         self._validate_lengths()
@@ -137,12 +174,13 @@ class SamplingParams:
             value = getattr(self, name)
             ok = value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS)
             _require(ok, name, f"None or an integer in [0, {MAX_LOGPROBS}]", value)
-        _require(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            _require(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
         _require(
-            isinstance(self.skip_special_tokens, bool),
-            "skip_special_tokens",
+            isinstance(self.include_stop_str_in_output, bool),
+            "include_stop_str_in_output",
             "a bool",
-            self.skip_special_tokens,
+            self.include_stop_str_in_output,
         )
         structured = self.structured_outputs
         _require(

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenmill.bad_words import BadWordIds, completing_tokens
 from tokenmill.outputs import RowLogprobs, SpecDecodeCounts
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.backend import GrammarMatcher
@@ -53,6 +54,8 @@ class Sequence:
     index: int = 0  # which of the n sequences this is
     prompt_logprobs: list[RowLogprobs] = field(default_factory=list)  # filled as the prompt is computed
     grammar: GrammarMatcher | None = None  # with structured outputs: where its output is in its grammar
+    bad_words: BadWordIds = ()  # the token sequences of ``params.bad_words`` (bad_words.py)
+    cache_salt: str | None = None  # prefix-cache blocks are shared only with sequences of the same salt
     # Speculative decoding: the proposer's guesses of the next tokens (and, from a draft model, the
     # ``[k, V]`` distributions they were drawn from; None: one-hot), taken by the next schedule(), which
     # appends the ones that fit to ``token_ids`` as provisional tokens until the step has verified them.
@@ -121,12 +124,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def banned_token_ids(self, num_output_tokens: int | None = None) -> list[int]:
-        """Tokens that may not end the output yet: EOS and stop tokens until ``min_tokens`` are out
-        (``num_output_tokens``: at a later position than now, for a draft token's row)."""
-        if num_output_tokens is None:
-            num_output_tokens = self.num_output_tokens
-        if num_output_tokens >= self.params.min_tokens:
-            return []
+    def banned_token_ids(self, output_ids: list[int] | None = None) -> list[int]:
+        """Tokens the next one may not be: EOS and stop tokens until ``min_tokens`` are out, and the tokens
+        that would complete a bad word. ``output_ids``: the output before a later position than now (a
+        draft token's row); default, the output so far."""
+        if output_ids is None:
+            output_ids = self.output_token_ids
+        banned = completing_tokens(self.bad_words, output_ids) if self.bad_words else []
+        if len(output_ids) >= self.params.min_tokens:
+            return banned
         eos = [] if self.params.ignore_eos else sorted(self.eos_token_ids)
-        return eos + list(self.params.stop_token_ids)
+        return eos + list(self.params.stop_token_ids) + banned

@@ -260,7 +260,8 @@ class PagedKVCacheManager(KVCacheManager):
 
 class PrefixCachingKVCacheManager(PagedKVCacheManager):
     """Paged blocks plus a radix tree of full blocks: a sequence whose prompt starts like an earlier one
-    shares that prefix's blocks (pinned by a lock on its tree path while the sequence holds them)."""
+    (with the same ``cache_salt``) shares that prefix's blocks (pinned by a lock on its tree path while the
+    sequence holds them)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
@@ -269,7 +270,7 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
         self._num_cached_blocks: dict[str, int] = {}  # how many of its full blocks were inserted
 
     def match(self, seq: Sequence) -> PrefixHit:
-        match = self.tree.match_prefix(seq.token_ids)
+        match = self.tree.match_prefix(seq.token_ids, seq.cache_salt)
         if not match.blocks:
             return PrefixHit(0, match.num_query_tokens)
         return PrefixHit(match.num_tokens, match.num_query_tokens, match)
@@ -294,7 +295,7 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
         full_blocks = seq.num_computed_tokens // self.block_size
         if full_blocks > self._num_cached_blocks.get(seq.seq_id, 0):
             tokens = seq.token_ids[: full_blocks * self.block_size]
-            self.tree.insert(tokens, self.blocks.table_view(seq.seq_id))
+            self.tree.insert(tokens, self.blocks.table_view(seq.seq_id), seq.cache_salt)
             self._num_cached_blocks[seq.seq_id] = full_blocks
 
     def free(self, seq: Sequence) -> None:

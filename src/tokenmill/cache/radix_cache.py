@@ -29,6 +29,10 @@ blocks as they are computed, and unlocks the path when the sequence is freed.
 
 A request admitted in the same step as an identical one computes its own copy of the prompt's blocks;
 :meth:`~RadixCache.insert` then keeps the tree's copy and the duplicates are freed with the table.
+
+**Cache salts** (vLLM's ``cache_salt``): each salt has a tree of its own, under a root of its own, so
+requests share blocks only with requests of the same salt (or, unsalted, with the unsalted ones). A
+salted root lives while its tree holds blocks.
 """
 
 from collections.abc import Iterator, Sequence
@@ -91,7 +95,9 @@ class RadixCache:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.allocator = allocator
         self.block_size = block_size
-        self.root = RadixNode((), [], None)
+        self.root = RadixNode((), [], None)  # of the unsalted tree
+        self._salted_roots: dict[str, RadixNode] = {}
+        self._salt_of_root: dict[RadixNode, str] = {}
         self._node_of_block: dict[int, RadixNode] = {}
         self.num_evicted_blocks = 0
         allocator.attach_cache_hook(self)
@@ -105,11 +111,15 @@ class RadixCache:
 
     # --- lookup and pinning --------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """The longest cached block-aligned prefix of ``token_ids`` that leaves at least the last token
-        to compute (a forward pass needs one token to sample from). Splits an edge the match ends in."""
+    def match_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> PrefixMatch:
+        """The longest cached block-aligned prefix of ``token_ids`` (in ``salt``'s tree) that leaves at
+        least the last token to compute (a forward pass needs one token to sample from). Splits an edge
+        the match ends in."""
+        root = self._root(salt, create=False)
+        if root is None:
+            return PrefixMatch((), 0, self.root, len(token_ids))
         limit = max(0, (len(token_ids) - 1) // self.block_size) * self.block_size
-        node, blocks = self._descend(tuple(token_ids[:limit]))
+        node, blocks = self._descend(root, tuple(token_ids[:limit]))
         return PrefixMatch(tuple(blocks), len(blocks) * self.block_size, node, len(token_ids))
 
     def num_free_after_lock(self, match: PrefixMatch) -> int:
@@ -122,7 +132,7 @@ class RadixCache:
         """Pin the matched path for a request (one reference per block)."""
         if self._path_blocks(match.node) != list(match.blocks):
             raise ValueError("stale prefix match: the tree changed since match_prefix; match again")
-        self.root.lock_count += 1
+        _root_of(match.node).lock_count += 1
         for node in match.node.path():
             node.lock_count += 1
             for block_id in node.blocks:
@@ -136,13 +146,14 @@ class RadixCache:
             path_node.lock_count -= 1
             for block_id in reversed(path_node.blocks):
                 self.allocator.decref(block_id)
-        self.root.lock_count -= 1
+        _root_of(node).lock_count -= 1
 
     # --- insertion and eviction ----------------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], blocks: Sequence[int]) -> int:
-        """Cache the full blocks of ``token_ids`` (computed tokens), ``blocks`` being the caller's block
-        table (a trailing partial block is ignored). Returns how many leading ``blocks`` the tree holds.
+    def insert(self, token_ids: Sequence[int], blocks: Sequence[int], salt: str | None = None) -> int:
+        """Cache the full blocks of ``token_ids`` (computed tokens) in ``salt``'s tree, ``blocks`` being the
+        caller's block table (a trailing partial block is ignored). Returns how many leading ``blocks``
+        the tree holds.
 
         Where the tree already caches some of these tokens under another block id it keeps its own, and
         adopts nothing below it (the caller does not hold that path); the caller's blocks from there on
@@ -152,7 +163,10 @@ class RadixCache:
         if len(blocks) < num_blocks:
             raise ValueError(f"{len(token_ids)} tokens fill {num_blocks} blocks but only {len(blocks)} given")
         tokens = tuple(token_ids[: num_blocks * self.block_size])
-        node, cached_blocks = self._descend(tokens)
+        root = self._root(salt, create=num_blocks > 0)
+        if root is None:
+            return 0
+        node, cached_blocks = self._descend(root, tokens)
         num_same = _common_length(cached_blocks, blocks)
         if num_same < len(cached_blocks):
             return num_same
@@ -201,10 +215,20 @@ class RadixCache:
 
     # --- internals -----------------------------------------------------------------------------------
 
-    def _descend(self, tokens: Tokens) -> tuple[RadixNode, list[int]]:
-        """The deepest node whose path is a prefix of ``tokens`` (splitting the edge the walk stops
-        inside), and that path's blocks."""
-        node = self.root
+    def _root(self, salt: str | None, create: bool) -> RadixNode | None:
+        """The root of ``salt``'s tree (made if ``create``; else None while it has none)."""
+        if salt is None:
+            return self.root
+        root = self._salted_roots.get(salt)
+        if root is None and create:
+            root = self._salted_roots[salt] = RadixNode((), [], None)
+            self._salt_of_root[root] = salt
+        return root
+
+    def _descend(self, root: RadixNode, tokens: Tokens) -> tuple[RadixNode, list[int]]:
+        """The deepest node below ``root`` whose path is a prefix of ``tokens`` (splitting the edge the
+        walk stops inside), and that path's blocks."""
+        node = root
         blocks: list[int] = []
         while child := node.children.get(self._block_of(tokens, len(blocks))):
             num_same = self._num_matching_blocks(child, tokens, len(blocks))
@@ -264,6 +288,7 @@ class RadixCache:
         if index == 0 and node.parent is not None:
             del node.parent.children[self._block_of(node.tokens, 0)]
             node.attached = False
+            self._drop_salted_root_if_empty(node.parent)
         node.tokens, node.blocks = node.tokens[: index * self.block_size], node.blocks[:index]
         for block_id in removed_blocks:
             del self._node_of_block[block_id]
@@ -271,6 +296,11 @@ class RadixCache:
             if self.allocator.is_cached(block_id):
                 self.allocator.drop_cached(block_id)
         self.num_evicted_blocks += len(removed_blocks)
+
+    def _drop_salted_root_if_empty(self, node: RadixNode) -> None:
+        """Forget a salt whose tree no longer holds a block (no lock can be on a tree without blocks)."""
+        if node in self._salt_of_root and not node.children:
+            del self._salted_roots[self._salt_of_root.pop(node)]
 
     def _detach_subtree(self, node: RadixNode) -> list[int]:
         node.attached = False
@@ -285,7 +315,7 @@ class RadixCache:
         return [block_id for path_node in node.path() for block_id in path_node.blocks]
 
     def _nodes(self) -> Iterator[RadixNode]:
-        stack = [self.root]
+        stack = [self.root, *self._salted_roots.values()]
         while stack:
             node = stack.pop()
             yield node
@@ -336,6 +366,12 @@ class RadixCache:
                         eviction_rank[lower] < eviction_rank[upper],
                         f"cached block {upper} would be evicted before block {lower} below it",
                     )
+
+
+def _root_of(node: RadixNode) -> RadixNode:
+    while node.parent is not None:
+        node = node.parent
+    return node
 
 
 def _path_pairs(node: RadixNode) -> Iterator[tuple[int, int]]:

@@ -73,6 +73,7 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
     for name, ids in (
         ("stop_token_ids", params.stop_token_ids),
         ("logit_bias", list(params.logit_bias or {})),
+        ("allowed_token_ids", params.allowed_token_ids or []),
     ):
         bad = [t for t in ids if not 0 <= int(t) < vocab_size]
         if bad:

@@ -26,6 +26,12 @@ from tokenmill.engine.input_checks import (
     prompt_token_ids,
     resolve_max_tokens,
 )
+from tokenmill.engine.request_setup import (
+    RequestSetup,
+    check_cache_salt,
+    encode_bad_words,
+    ends_at_stop_token,
+)
 from tokenmill.engine.runner_setup import build_runner
 from tokenmill.engine.startup_report import StartupTimes, describe_startup
 from tokenmill.engine.stop_strings import StopStringDetokenizer
@@ -195,13 +201,16 @@ class LLMEngine:
         prompt: str | SequenceOf[int],
         params: SamplingParams | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """Queue a request (``params.n`` sequences); returns its prompt token ids. ``priority``: lower is
-        served first, under the ``priority`` scheduling policy only."""
+        served first, under the ``priority`` scheduling policy only. ``cache_salt``: the request shares
+        prefix-cache blocks only with requests of the same salt (None: the unsalted ones)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
         check_priority(priority, self.config.scheduler.policy == "priority")
+        check_cache_salt(cache_salt)
         vocab_size = self.model_config.vocab_size
         prompt_ids = prompt_token_ids(prompt, self.tokenizer, vocab_size)
         max_tokens = resolve_max_tokens(
@@ -212,44 +221,35 @@ class LLMEngine:
             self.tokenizer is not None,
         )
         check_token_ids(params, vocab_size)
+        bad_words = encode_bad_words(params, self.tokenizer, vocab_size, self.eos_token_ids)
         grammar = self._compile_grammar(params)
-        seqs = [
-            self._sequence(request_id, index, prompt_ids, params, max_tokens, priority, grammar)
-            for index in range(params.n)
-        ]
+        setup = RequestSetup(prompt_ids, max_tokens, priority, cache_salt, bad_words, grammar)
+        seqs = [self._sequence(request_id, index, params, setup) for index in range(params.n)]
         self.requests[request_id] = seqs
         for seq in seqs:
-            self.texts[seq] = StopStringDetokenizer(
-                self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
-            )
+            self.texts[seq] = StopStringDetokenizer(self.tokenizer, prompt_ids, params)
             self.scheduler.add(seq)
         return prompt_ids
 
-    def _sequence(
-        self,
-        request_id: str,
-        index: int,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        max_tokens: int,
-        priority: int,
-        grammar: CompiledGrammar | None = None,
-    ) -> Sequence:
+    def _sequence(self, request_id: str, index: int, params: SamplingParams, setup: RequestSetup) -> Sequence:
         """Sequence ``index`` of the request: its own id and seed when the request asks for several, and
         its own matcher when it has a grammar."""
         if params.n > 1 and params.seed is not None:
             params = dataclasses.replace(params, seed=params.seed + index)
         seq_id = request_id if params.n == 1 else f"{request_id}[{index}]"
+        grammar = setup.grammar
         return Sequence(
             seq_id,
-            prompt_ids,
+            setup.prompt_ids,
             params,
-            max_tokens,
+            setup.max_tokens,
             self.eos_token_ids,
-            priority=priority,
+            priority=setup.priority,
             request_id=request_id,
             index=index,
             grammar=grammar.matcher() if grammar is not None else None,
+            bad_words=setup.bad_words,
+            cache_salt=setup.cache_salt,
         )
 
     def _compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
@@ -330,7 +330,8 @@ class LLMEngine:
         whether a stop string ended it here."""
         text = self.texts[seq]
         num_output = seq.num_output_tokens - num_later
-        stop_string = text.append([token], check_stop=num_output >= seq.params.min_tokens)
+        shown = [] if ends_at_stop_token(seq, token, num_later) else [token]
+        stop_string = text.append(shown, check_stop=num_output > seq.params.min_tokens)
         stopped = stop_string is not None  # it ends the text even where the token also ended the sequence
         if stopped:
             self.scheduler.stop_at_string(seq, stop_string, num_later)

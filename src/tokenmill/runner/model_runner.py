@@ -238,9 +238,10 @@ class ModelRunner:
         with a grammar are masked by it: the step's bitmask is filled on the host now, while the device
         runs the forward pass enqueued before; a step without one runs no structured-output code."""
         seqs = [chunk.seq for chunk in chunks]
+        outputs = [seq.output_token_ids for seq in seqs]
         rows = [
-            SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.banned_token_ids())
-            for seq in seqs
+            SamplingRow(seq.params, seq.prompt_token_ids, output, seq.banned_token_ids(output))
+            for seq, output in zip(seqs, outputs, strict=True)
         ]
         grammars = [seq.grammar for seq in seqs]
         bitmask = None

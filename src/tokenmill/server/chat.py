@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from tokenmill.errors import TokenmillError
 from tokenmill.server.errors import bad_request
 from tokenmill.server.generation import ChoiceResult, Generation, ServerContext
-from tokenmill.server.logprobs import TokenTexts, chat_logprobs, prompt_logprobs_out
+from tokenmill.server.logprobs import LogprobTokens, TokenTexts, chat_logprobs, prompt_logprobs_out
 from tokenmill.server.prompts import engine_prompt
 from tokenmill.server.protocol import (
     ChatChoice,
@@ -94,7 +94,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return engine_prompt(ctx, text, body.add_special_tokens, body.truncate_prompt_tokens, "messages")
 
     prompt = await ctx.run_text_work(prompt_ids)
-    generation = await ctx.start([prompt], params, request, body.priority)
+    generation = await ctx.start([prompt], params, request, body.priority, body.cache_salt)
     view = _ChatView(ctx, body, generation)
     if body.stream:
         return await streaming_response(generation, view.chunks())
@@ -190,7 +190,8 @@ class _ChatView:
     def _logprobs(self, result: ChoiceResult) -> ChatLogprobs | None:
         if not self.body.logprobs:
             return None
-        return chat_logprobs(result.logprobs, self.token_texts, self.num_top)
+        tokens = LogprobTokens(self.token_texts, self.body.return_tokens_as_token_ids)
+        return chat_logprobs(result.logprobs, tokens, self.num_top)
 
     async def chunks(self) -> AsyncIterator[str]:
         for index in range(self.generation.num_choices):

@@ -11,11 +11,13 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import bad_request
 from tokenmill.server.generation import ChoiceResult, Generation, ServerContext
 from tokenmill.server.logprobs import (
+    LogprobTokens,
     TokenTexts,
     completion_logprobs,
     echo_logprobs,
     join_completion_logprobs,
     prompt_logprobs_out,
+    text_length,
 )
 from tokenmill.server.prompts import engine_prompt
 from tokenmill.server.protocol import (
@@ -69,7 +71,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine_prompts = await ctx.run_text_work(
         lambda: [engine_prompt(ctx, prompt, special, body.truncate_prompt_tokens) for prompt in prompts]
     )
-    generation = await ctx.start(engine_prompts, params, request, body.priority)
+    generation = await ctx.start(engine_prompts, params, request, body.priority, body.cache_salt)
     view = _CompletionView(ctx, body, params, prompts, generation)
     if body.stream:
         return await streaming_response(generation, view.chunks())
@@ -149,12 +151,21 @@ class _CompletionView:
         text_offset: int,
     ) -> CompletionLogprobs:
         assert self.token_texts is not None
-        generated = completion_logprobs(result.logprobs, self.token_texts, text_offset)
+        tokens = LogprobTokens(self.token_texts, self.body.return_tokens_as_token_ids)
         if prompt_entries is None:
-            return generated
+            return completion_logprobs(result.logprobs, tokens, text_offset)
         prompt_ids = self.generation.prompt_token_ids[prompt_index]
-        echoed = echo_logprobs(prompt_ids, prompt_entries, self.token_texts, self.body.logprobs or 0)
-        return join_completion_logprobs(echoed, generated)
+        echoed = echo_logprobs(prompt_ids, prompt_entries, tokens, self.body.logprobs or 0)
+        text_offset += text_length(prompt_ids, self.token_texts)
+        return join_completion_logprobs(echoed, completion_logprobs(result.logprobs, tokens, text_offset))
+
+    def _text_length(
+        self, prompt_index: int, prompt_entries: list[RowLogprobs | None] | None, step: ChoiceResult
+    ) -> int:
+        """How far a chunk's logprobs move the text offset: its echoed prompt's and tokens' texts."""
+        assert self.token_texts is not None
+        echoed = self.generation.prompt_token_ids[prompt_index] if prompt_entries is not None else []
+        return text_length([*echoed, *(entry.token_id for entry in step.logprobs)], self.token_texts)
 
     async def chunks(self) -> AsyncIterator[str]:
         num_tokens = [0] * self.generation.num_choices
@@ -174,7 +185,7 @@ class _CompletionView:
             logprobs = None
             if self.body.logprobs is not None:
                 logprobs = self._logprobs(prompt_index, prompt_entries, step, text_offsets[index])
-                text_offsets[index] += sum(len(token) for token in logprobs.tokens)
+                text_offsets[index] += self._text_length(prompt_index, prompt_entries, step)
             if text or delta.finished or (logprobs is not None and logprobs.tokens) or self._ids_due(step):
                 choice = self._stream_choice(index, text, logprobs, step)
                 if first:
@@ -243,7 +254,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     params = make_params(body, max_tokens=body.max_tokens)
     params = await constrained(ctx.grammars, params, structured_outputs_of(body))
     prompt = await ctx.run_text_work(lambda: engine_prompt(ctx, body.prompt, None, None))
-    generation = await ctx.start([prompt], params, request, body.priority)
+    generation = await ctx.start([prompt], params, request, body.priority, body.cache_salt)
 
     def build(results: list[ChoiceResult]) -> dict[str, Any]:
         completion_tokens = sum(len(result.token_ids) for result in results)

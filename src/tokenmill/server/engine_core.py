@@ -73,7 +73,9 @@ class EngineCore:
         added: list[list[int]] = []
         try:
             for spec in specs:
-                ids = self.engine.add_request(spec.request_id, spec.prompt, spec.params, spec.priority)
+                ids = self.engine.add_request(
+                    spec.request_id, spec.prompt, spec.params, spec.priority, spec.cache_salt
+                )
                 added.append(ids)
         except (TokenmillError, ValueError) as exc:  # InvalidRequestError, TokenizerError, ...
             self._undo_add(specs[: len(added)])
@@ -183,7 +185,17 @@ def engine_facts(engine: LLMEngine, with_tokenizer: bool = True) -> EngineFacts:
     )
 
 
-_PARAM_NAMES = ("priority", "max_tokens", "stop_token_ids", "logit_bias", "stop", "prompt")
+_PARAM_NAMES = (
+    "allowed_token_ids",
+    "bad_words",
+    "cache_salt",
+    "priority",
+    "max_tokens",
+    "stop_token_ids",
+    "logit_bias",
+    "stop",
+    "prompt",
+)
 
 
 def _param_in(message: str) -> str | None:

@@ -19,12 +19,13 @@ from tokenmill.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class PromptSpec:
-    """One engine request: a prompt (text or token ids), its sampling parameters and priority."""
+    """One engine request: a prompt (text or token ids), its sampling parameters, priority and cache salt."""
 
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
     priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

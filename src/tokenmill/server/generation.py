@@ -133,11 +133,15 @@ class ServerContext:
         params: SamplingParams,
         client: Request,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> "Generation":
         """Admit and queue the prompts; returns once the engine has accepted all of them."""
         self._check_capacity(len(prompts) * params.n)
         base = f"req-{next(self._ids)}"
-        specs = [PromptSpec(f"{base}-{i}", prompt, params, priority) for i, prompt in enumerate(prompts)]
+        specs = [
+            PromptSpec(f"{base}-{i}", prompt, params, priority, cache_salt)
+            for i, prompt in enumerate(prompts)
+        ]
         generation = Generation(
             self.engine_loop, specs, params.n, self._deadline(), client, self._chunk_tokens
         )

@@ -1,10 +1,12 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
 Requests take the parameters vLLM honours (OpenAI's plus ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``, ``priority``, and structured
-outputs: ``response_format``, ``structured_outputs``, the older ``guided_*`` fields, and on chat ``tools``
-with ``tool_choice``) and vLLM's extras (``prompt_logprobs``, ``return_token_ids``,
-``truncate_prompt_tokens``, ``add_special_tokens``, chat's ``echo`` and ``continue_final_message``, ...).
+``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``,
+``spaces_between_special_tokens``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``,
+``priority``, and structured outputs: ``response_format``, ``structured_outputs``, the older ``guided_*``
+fields, and on chat ``tools`` with ``tool_choice``) and vLLM's extras (``prompt_logprobs``,
+``return_token_ids``, ``return_tokens_as_token_ids``, ``cache_salt``, ``truncate_prompt_tokens``,
+``add_special_tokens``, chat's ``echo`` and ``continue_final_message``, ...).
 A top-level body keeps the fields it does not declare in ``model_extra``: ``request_checks`` refuses
 those OpenAI or vLLM define but tokenmill does not implement, and ignores the rest. Types are checked
 here; ranges are checked by ``SamplingParams``, whose errors name the parameter.
@@ -81,6 +83,12 @@ class SamplingRequest(_Body):
     min_tokens: StrictInt = 0
     logit_bias: dict[str, StrictFloat] | None = None
     skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>"
+    cache_salt: StrictStr | None = None  # prefix-cache blocks are shared only within one salt
     user: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

@@ -20,13 +20,7 @@ _ABSENT = (None,)
 _UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "include_stop_str_in_output": (None, False),
-    "spaces_between_special_tokens": (None, True),
-    "allowed_token_ids": _ABSENT,
-    "bad_words": (None, []),
     "logits_processors": (None, []),
-    "return_tokens_as_token_ids": (None, False),
-    "cache_salt": _ABSENT,
     "kv_transfer_params": _ABSENT,
     "vllm_xargs": _ABSENT,
     "prompt_embeds": _ABSENT,
@@ -60,6 +54,8 @@ def check_request(body: SamplingRequest) -> None:
     _refuse_unimplemented(body.model_extra or {})
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if body.cache_salt is not None and not body.cache_salt:
+        raise bad_request("cache_salt must be a non-empty string", "cache_salt")
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
     truncate = body.truncate_prompt_tokens

@@ -74,7 +74,11 @@ def make_params(body: SamplingRequest, **fields: Any) -> SamplingParams:
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
         skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
         logit_bias=parse_logit_bias(body.logit_bias),
+        allowed_token_ids=body.allowed_token_ids,
+        bad_words=body.bad_words,
     )
     try:
         return SamplingParams(**fields)

@@ -119,7 +119,14 @@ class DraftModelProposer(Proposer):
         manager = self.runner.kv.manager
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:
-            shadow = Seq(seq.seq_id, seq.prompt_token_ids, seq.params, seq.max_tokens, seq.eos_token_ids)
+            shadow = Seq(
+                seq.seq_id,
+                seq.prompt_token_ids,
+                seq.params,
+                seq.max_tokens,
+                seq.eos_token_ids,
+                bad_words=seq.bad_words,
+            )
             self.shadows[seq.seq_id] = shadow
         # Never all of seq's tokens: the last one's logits give the first guess. The draft may have computed
         # it already, when the step verified fewer guesses than proposed and its bonus token was the next.

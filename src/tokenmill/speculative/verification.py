@@ -23,15 +23,8 @@ def verification_rows(seq: Seq, num_drafts: int) -> list[SamplingRow]:
     """The sampling rows of ``seq``'s last token and its ``num_drafts`` provisional tokens."""
     output = seq.output_token_ids
     drafts = seq.draft_tokens[:num_drafts]
-    return [
-        SamplingRow(
-            seq.params,
-            seq.prompt_token_ids,
-            output + drafts[:i],
-            seq.banned_token_ids(len(output) + i),
-        )
-        for i in range(num_drafts + 1)
-    ]
+    outputs = [output + drafts[:i] for i in range(num_drafts + 1)]  # the output before each row's token
+    return [SamplingRow(seq.params, seq.prompt_token_ids, out, seq.banned_token_ids(out)) for out in outputs]
 
 
 def verify_step(
@@ -79,8 +72,8 @@ def verify_step(
 
 def _keeps_raw_argmax(seq: Seq) -> bool:
     """Whether every row of ``seq``'s chunk takes the argmax of its unedited logits and reports no
-    logprobs. Banned ids (EOS before ``min_tokens``) only shrink as the output grows: none now, none at
-    the draft tokens' positions."""
+    logprobs. Banned ids (EOS before ``min_tokens``; bad words make a row edited already) only shrink as
+    the output grows: none now, none at the draft tokens' positions."""
     params = seq.params
     return (
         takes_raw_argmax(params)

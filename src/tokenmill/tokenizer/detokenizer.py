@@ -8,6 +8,10 @@ returns what the window's text has beyond the context's text. Text is held back 
 incomplete character) and while it ends inside a run of SentencePiece byte tokens (the decoder turns a
 whole run into U+FFFD if any byte of it is invalid). The window stays a few tokens long, so a push costs
 O(1) in the length of the sequence.
+
+``spaces_between_special_tokens=False`` (with ``skip_special_tokens=False``) is vLLM's: an added token
+right after another generated one adds exactly its own text, without the separator a tokenizer's decoder
+may put between tokens (a WordPiece decoder's space, say); the window restarts at it.
 """
 
 from collections.abc import Sequence
@@ -27,7 +31,12 @@ _MAX_HELD_BYTE_RUN = 16
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         """``prompt_ids`` are context only: the output text reads as their continuation. Without them the
         pieces add up to ``tokenizer.decode(output_ids)``; with them, to the output's text as it reads after
@@ -35,12 +44,42 @@ class IncrementalDetokenizer:
         SentencePiece tokenizer that strips the leading space of the first token)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._joins_added_tokens = not (skip_special_tokens or spaces_between_special_tokens)
+        self._last_was_added = (
+            False  # of the output tokens (a prompt's last token does not count, as in vLLM)
+        )
         self._window = self._prompt_context(self._kept(prompt_ids))
         self._read_offset = len(self._window)  # _window[:_read_offset] is context, the rest is pending
         self._context_text = self._decode(self._window)
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Add generated ids; returns the text that became final (often "", while text is held back)."""
+        if not self._joins_added_tokens:
+            return self._push(new_ids)
+        added = self.tokenizer.added_token_texts
+        pieces: list[str] = []
+        run: list[int] = []
+        for token in new_ids:
+            if token in added and self._last_was_added:
+                pieces.append(self._push(run))
+                pieces.append(self._restart_at(token, added[token]))
+                run = []
+            else:
+                run.append(token)
+            self._last_was_added = token in added
+        pieces.append(self._push(run))
+        return "".join(pieces)
+
+    def _restart_at(self, token: int, text: str) -> str:
+        """``text`` (an added token's own), after whatever the window still held; the window restarts at
+        ``token``, the context of what follows."""
+        held = self.flush()
+        self._window = [token]
+        self._read_offset = 1
+        self._context_text = self._decode(self._window)
+        return held + text
+
+    def _push(self, new_ids: Sequence[int]) -> str:
         self._window.extend(self._kept(new_ids))
         if len(self._window) == self._read_offset:
             return ""

@@ -80,6 +80,13 @@ class Tokenizer:
         return frozenset(token_id for token_id, token in added.items() if token.special)
 
     @cached_property
+    def added_token_texts(self) -> dict[int, str]:
+        """The added tokens (special or not, e.g. ``<|im_end|>``), each id with its own text."""
+        return {
+            token_id: str(token.content) for token_id, token in self.hf_tokenizer.added_tokens_decoder.items()
+        }
+
+    @cached_property
     def byte_fallback_ids(self) -> frozenset[int]:
         """Ids of SentencePiece byte tokens ``<0x00>``..``<0xFF>`` (none in byte-level BPE vocabularies)."""
         found = set()

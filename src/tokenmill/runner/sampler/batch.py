@@ -1,7 +1,8 @@
 """A sampling step's inputs: the rows' params and token ids, turned on the host into device tensors.
 
 ``SamplingBatch.build`` packs every per-row scalar into one host buffer and copies it in one
-asynchronous transfer; sparse (row, token id) pairs (logit bias, bans, penalised tokens) take one each.
+asynchronous transfer; sparse (row, token id) pairs (logit bias, bans, allowed tokens, penalised tokens)
+take one each.
 Only what the rows ask for is built: greedy rows alone need nothing.
 """
 
@@ -182,6 +183,7 @@ class SamplingBatch:
     penalties: PenaltyParams | None  # None when no row has a repetition / presence / frequency penalty
     logit_bias: TokenIndex | None
     banned: TokenIndex | None
+    allowed: TokenIndex | None  # allowed_token_ids of the rows that restrict theirs (the others: all)
     seen_tokens: TokenIndex | None  # prompt + output ids of rows with a repetition penalty
     output_tokens: TokenIndex | None  # output ids (with repeats) of rows with presence/frequency penalties
     num_logprobs: list[int | None]
@@ -209,7 +211,7 @@ class SamplingBatch:
 
     @property
     def needs_logit_edits(self) -> bool:
-        edits = (self.logit_bias, self.banned, self.seen_tokens, self.output_tokens)
+        edits = (self.logit_bias, self.banned, self.allowed, self.seen_tokens, self.output_tokens)
         return any(edit is not None for edit in edits)
 
     @property
@@ -245,6 +247,7 @@ class SamplingBatch:
             penalties=penalties if any_penalty else None,
             logit_bias=_logit_bias_index(params, vocab_size, device),
             banned=_banned_index(rows, vocab_size, device),
+            allowed=_allowed_index(params, vocab_size, device),
             seen_tokens=_seen_tokens_index(rows, device) if any_penalty else None,
             output_tokens=_output_tokens_index(rows, device) if any_penalty else None,
             num_logprobs=[p.logprobs for p in params],
@@ -259,8 +262,10 @@ class SamplingBatch:
 
 def takes_raw_argmax(params: SamplingParams) -> bool:
     """Whether a row of ``params`` samples the argmax of its unedited logits (greedy, no penalty, no logit
-    bias), where it has no banned ids and no grammar: a batch of such rows builds no tensor."""
-    return params.is_greedy and not _has_penalty(params) and not params.logit_bias
+    bias, no allowed ids or bad words), where it has no banned ids and no grammar: a batch of such rows
+    builds no tensor."""
+    edited = params.logit_bias or params.allowed_token_ids is not None or params.bad_words
+    return params.is_greedy and not _has_penalty(params) and not edited
 
 
 def _has_penalty(params: SamplingParams) -> bool:
@@ -287,6 +292,18 @@ def _banned_index(rows: Sequence[SamplingRow], vocab_size: int, device: torch.de
     for row in rows:
         _check_ids_in_vocab("banned_token_ids", row.banned_token_ids, vocab_size)
     return TokenIndex.build([[row.banned_token_ids] for row in rows], device)
+
+
+def _allowed_index(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> TokenIndex | None:
+    if all(p.allowed_token_ids is None for p in params):
+        return None
+    allowed = [_as_id_array(p.allowed_token_ids or []) for p in params]
+    for ids in allowed:  # vectorised: the lists can be long, and are checked every step
+        outside = ids[(ids < 0) | (ids >= vocab_size)]
+        _check_ids_in_vocab("allowed_token_ids", outside[:1].tolist(), vocab_size)
+    return TokenIndex.build([[ids] for ids in allowed], device)
 
 
 def _seen_tokens_index(rows: Sequence[SamplingRow], device: torch.device) -> TokenIndex | None:

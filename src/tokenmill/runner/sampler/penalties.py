@@ -1,4 +1,5 @@
-"""Logit edits before the draw: logit bias, banned tokens, repetition / presence / frequency penalties.
+"""Logit edits before the draw: logit bias, banned tokens, allowed tokens, repetition / presence /
+frequency penalties.
 
 Repetition penalty as in HF (over prompt and output tokens: positive logits divided by it, negative ones
 multiplied); presence and frequency penalties as in OpenAI (over output tokens).
@@ -12,7 +13,8 @@ from tokenmill.runner.sampler.batch import SamplingBatch, TokenIndex
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Logit bias, bans, repetition / presence / frequency penalties; a new tensor when anything applies."""
+    """Logit bias, bans, allowed ids, repetition / presence / frequency penalties; a new tensor when anything
+    applies."""
     if not batch.needs_logit_edits:
         return logits
     logits = logits.clone()
@@ -24,9 +26,21 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits.index_put_(
             (batch.banned.rows, batch.banned.token_ids), torch.full((), -math.inf, device=logits.device)
         )
+    if batch.allowed is not None:
+        _keep_only_allowed(logits, batch.allowed)
     if batch.seen_tokens is not None or batch.output_tokens is not None:
         logits = _apply_penalty_params(logits, batch)
     return logits
+
+
+def _keep_only_allowed(logits: torch.Tensor, allowed: TokenIndex) -> None:
+    """-inf on every token outside its row's allowed ids, in the rows that list some (in place)."""
+    true = torch.ones((), dtype=torch.bool, device=logits.device)
+    restricted = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    restricted.index_put_((allowed.rows,), true)
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep.index_put_((allowed.rows, allowed.token_ids), true)
+    logits.masked_fill_(restricted.unsqueeze(1) & ~keep, -math.inf)
 
 
 def _apply_penalty_params(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
