@@ -1,6 +1,7 @@
 """The engine against independent references: the single-sequence greedy loop (itself checked against
 transformers), each request run alone, and a naive allocator model."""
 
+import dataclasses
 import random
 import re
 
@@ -140,6 +141,25 @@ def test_n_sequences_share_the_prompt_and_differ(tiny) -> None:  # type: ignore[
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert all(len(o.token_ids) == 10 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_request_id_like_another_requests_sequence_id_keeps_its_own_kv(tiny, prefix_caching: bool) -> None:  # type: ignore[no-untyped-def]
+    """Request "x" with n=2 runs sequences "x[0]" and "x[1]"; a request named "x[0]" beside it must not
+    share their block tables."""
+    engine = engine_for(
+        tiny, kv_cache="paged", block_size=4, prefix_caching=prefix_caching, debug_checks=True
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    workload = {
+        "x": ([5, 6, 7, 8, 9, 10], dataclasses.replace(greedy, n=2)),
+        "x[0]": (list(range(200, 213)), greedy),
+    }
+    outputs = run_to_completion(engine, workload)
+    for rid, (prompt, params) in workload.items():
+        expected = greedy_generate(tiny.model, prompt, 8).token_ids
+        assert [o.token_ids for o in outputs[rid].outputs] == [expected] * params.n, rid
+    assert engine.kv_cache.manager.num_used_blocks == 0
 
 
 def test_stop_token_ids_min_tokens_and_max_tokens(tiny) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine_helpers import engine_for
+from engine_helpers import engine_for, run_to_completion
 from spec_workloads import repetitive_workload, run_workload
 from tiny_models import save_tiny_model, tiny_configs
 from tokenmill import LLM, SamplingParams
@@ -258,6 +258,24 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny, tmp_path: Path) -> Non
     ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vocabulary"):
         speculative_engine(tiny, load_model(tmp_path, dtype="float32"))
+
+
+def test_a_request_id_like_another_requests_sequence_id_gets_its_own_draft(tiny) -> None:  # type: ignore[no-untyped-def]
+    """The draft keeps one shadow sequence per sequence: request "x[0]" beside request "x" with n=2 (whose
+    first sequence is "x[0]" too) gets its own, and every greedy guess of the self-draft is accepted."""
+    engine = speculative_engine(tiny, tiny, debug_checks=True)
+    pattern = [50, 60, 70]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    workload = {
+        "x": ([5, 6, 7, *pattern * 3], SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True)),
+        "x[0]": ([200, 201, *pattern * 4], greedy),
+    }
+    outputs = run_to_completion(engine, workload)
+    for rid, (prompt, params) in workload.items():
+        expected = greedy_generate(tiny.model, prompt, 12).token_ids
+        assert [o.token_ids for o in outputs[rid].outputs] == [expected] * params.n, rid
+    spec = engine.scheduler_stats().spec_decode
+    assert spec.num_accepted == spec.num_proposed > 0
 
 
 def test_request_metrics_count_drafts_and_accepted_tokens(tiny) -> None:  # type: ignore[no-untyped-def]

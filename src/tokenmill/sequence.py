@@ -65,6 +65,9 @@ class Sequence:
         self.token_ids = list(self.prompt_token_ids)
         self.request_id = self.request_id or self.seq_id
 
+    def __repr__(self) -> str:  # the KV cache's bookkeeping names its sequences (its keys) this way
+        return f"Sequence({self.seq_id!r})"
+
     @property
     def num_prompt_logprobs(self) -> int:
         """Prompt positions whose next-token logprob is known."""
