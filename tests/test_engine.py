@@ -207,6 +207,28 @@ def test_request_validation_names_the_limit(tiny) -> None:  # type: ignore[no-un
     assert not engine.requests.keys() - {"f"}
 
 
+def test_request_ids_are_any_string_and_the_engine_api_edge_cases(tiny) -> None:  # type: ignore[no-untyped-def]
+    """As vLLM: an id is any string ("" too, whose n sequences report under it and are forgotten when
+    done), anything else is refused by name, as are params that are not SamplingParams; a step with
+    nothing to do and aborting an unknown or finished id change nothing."""
+    engine = engine_for(tiny, max_model_len=64)
+    assert engine.step() == []
+    for request_id in (5, None, ("a",)):
+        with pytest.raises(
+            InvalidRequestError, match=re.escape(f"request_id must be a string, got {request_id!r}")
+        ):
+            engine.add_request(request_id, [1, 2], SamplingParams(max_tokens=1))  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="params must be a SamplingParams"):
+        engine.add_request("p", [1, 2], {"max_tokens": 1})  # type: ignore[arg-type]
+    assert not engine.requests
+    outputs = run_to_completion(engine, {"": ([1, 2, 3], SamplingParams(n=2, max_tokens=3, ignore_eos=True))})
+    assert [len(output.token_ids) for output in outputs[""].outputs] == [3, 3]
+    assert outputs[""].finished and not engine.requests and not engine.texts
+    engine.abort("")  # finished
+    engine.abort("unknown")
+    assert engine.step() == [] and not engine.has_unfinished_requests()
+
+
 def test_engine_option_errors_name_the_option(tiny) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="kv_cache"):
         engine_for(tiny, kv_cache="fancy")
