@@ -185,6 +185,47 @@ def test_priority_preemption_with_speculation_keeps_greedy_outputs(tiny) -> None
     assert engine.scheduler_stats().num_preemptions > 0
 
 
+def test_a_sequence_preempted_after_the_guessing_drops_its_guesses(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Guesses are made before the step is scheduled; a sequence that scheduling then preempts (a sequence
+    before it needed its blocks) must drop them. Kept, they were verified once it was readmitted into a
+    batch of ``disable_by_batch_size`` sequences, where no step may guess. (Found by a random search.)"""
+    cutoff = 3
+    engine = speculative_engine(
+        tiny, block_size=4, num_kv_blocks=16, max_num_seqs=4, speculative_disable_by_batch_size=cutoff
+    )
+    patterns = [
+        [158, 190, 151],
+        [364, 363, 279],
+        [145, 59, 16],
+        [199, 217, 132],
+        [165, 330, 353],
+        [73, 285, 34],
+    ]
+    max_tokens = [13, 29, 15, 24, 20, 12]
+    workload = {
+        f"r{i}": (pattern * 3, n) for i, (pattern, n) in enumerate(zip(patterns, max_tokens, strict=True))
+    }
+    arrivals, outputs = list(workload), {rid: [] for rid in workload}
+    guessed_at: list[int] = []  # running sequences at each step that verified guesses
+    step = 0
+    while arrivals or engine.has_unfinished_requests():
+        if arrivals and step % 3 == 0:
+            rid = arrivals.pop(0)
+            prompt, max_tokens = workload[rid]
+            engine.add_request(
+                rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            )
+        running, before = len(engine.scheduler.running), engine.scheduler.stats.spec_decode.num_steps
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+        if engine.scheduler.stats.spec_decode.num_steps > before:
+            guessed_at.append(running)
+        step += 1
+    assert_matches_reference(tiny, workload, outputs)
+    assert engine.scheduler_stats().num_preemptions > 0
+    assert guessed_at and max(guessed_at) < cutoff
+
+
 def test_max_tokens_eos_and_stop_tokens_end_a_multi_token_step_exactly(tiny) -> None:  # type: ignore[no-untyped-def]
     """A token after the one that ends the sequence is dropped, whatever the verification accepted."""
     prompt = [5, 6, 7, 8] * 4
