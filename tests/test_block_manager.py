@@ -665,9 +665,11 @@ def test_random_allocate_rollback_free_match_a_token_count_model(seed: int) -> N
             held.pop(seq.seq_id, None)
             tables.pop(seq.seq_id, None)
         kv.check_integrity()
-        for seq_id, table in tables.items():
-            assert kv.blocks.block_table(seq_id) == table
-            assert len(table) == -(-held[seq_id] // block_size)
+        for held_seq in seqs:
+            if held_seq.seq_id in tables:
+                table = tables[held_seq.seq_id]
+                assert kv.block_table(held_seq) == table
+                assert len(table) == -(-held[held_seq.seq_id] // block_size)
         assert kv.num_free_blocks == num_blocks - sum(len(table) for table in tables.values())
     assert rollbacks > 50 and refusals > 5
 

@@ -1,6 +1,7 @@
 """The engine against independent references: the single-sequence greedy loop (itself checked against
 transformers), each request run alone, and a naive allocator model."""
 
+import dataclasses
 import random
 import re
 
@@ -142,6 +143,25 @@ def test_n_sequences_share_the_prompt_and_differ(tiny) -> None:  # type: ignore[
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_request_id_like_another_requests_sequence_id_keeps_its_own_kv(tiny, prefix_caching: bool) -> None:  # type: ignore[no-untyped-def]
+    """Request "x" with n=2 runs sequences "x[0]" and "x[1]"; a request named "x[0]" beside it must not
+    share their block tables."""
+    engine = engine_for(
+        tiny, kv_cache="paged", block_size=4, prefix_caching=prefix_caching, debug_checks=True
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    workload = {
+        "x": ([5, 6, 7, 8, 9, 10], dataclasses.replace(greedy, n=2)),
+        "x[0]": (list(range(200, 213)), greedy),
+    }
+    outputs = run_to_completion(engine, workload)
+    for rid, (prompt, params) in workload.items():
+        expected = greedy_generate(tiny.model, prompt, 8).token_ids
+        assert [o.token_ids for o in outputs[rid].outputs] == [expected] * params.n, rid
+    assert engine.kv_cache.manager.num_used_blocks == 0
+
+
 def test_stop_token_ids_min_tokens_and_max_tokens(tiny) -> None:  # type: ignore[no-untyped-def]
     prompt = [5, 6, 7]
     free_run = run_to_completion(
@@ -185,6 +205,28 @@ def test_request_validation_names_the_limit(tiny) -> None:  # type: ignore[no-un
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("f", [1, 2], SamplingParams(max_tokens=1))
     assert not engine.requests.keys() - {"f"}
+
+
+def test_request_ids_are_any_string_and_the_engine_api_edge_cases(tiny) -> None:  # type: ignore[no-untyped-def]
+    """As vLLM: an id is any string ("" too, whose n sequences report under it and are forgotten when
+    done), anything else is refused by name, as are params that are not SamplingParams; a step with
+    nothing to do and aborting an unknown or finished id change nothing."""
+    engine = engine_for(tiny, max_model_len=64)
+    assert engine.step() == []
+    for request_id in (5, None, ("a",)):
+        with pytest.raises(
+            InvalidRequestError, match=re.escape(f"request_id must be a string, got {request_id!r}")
+        ):
+            engine.add_request(request_id, [1, 2], SamplingParams(max_tokens=1))  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="params must be a SamplingParams"):
+        engine.add_request("p", [1, 2], {"max_tokens": 1})  # type: ignore[arg-type]
+    assert not engine.requests
+    outputs = run_to_completion(engine, {"": ([1, 2, 3], SamplingParams(n=2, max_tokens=3, ignore_eos=True))})
+    assert [len(output.token_ids) for output in outputs[""].outputs] == [3, 3]
+    assert outputs[""].finished and not engine.requests and not engine.texts
+    engine.abort("")  # finished
+    engine.abort("unknown")
+    assert engine.step() == [] and not engine.has_unfinished_requests()
 
 
 def test_engine_option_errors_name_the_option(tiny) -> None:  # type: ignore[no-untyped-def]

@@ -5,11 +5,12 @@ import itertools
 import random
 
 import pytest
+import torch
 
-from engine_helpers import engine_for
+from engine_helpers import engine_for, run_to_completion
 from tokenmill import SamplingParams
 from tokenmill.loading import load_model
-from tokenmill.reference import greedy_generate
+from tokenmill.reference import SingleSequenceRunner, greedy_generate
 from tokenmill.scheduler.admission import peak_blocks
 
 COMBINATIONS = list(itertools.product([False, True], repeat=3))  # chunked, prefix caching, tight pool
@@ -109,6 +110,36 @@ def test_prefix_cache_counters_count_prompt_tokens(tiny) -> None:  # type: ignor
         stats = engine.scheduler_stats()
         counters.append((stats.prefix_cache_queries, stats.prefix_cache_hits))
     assert counters == [(21, 0), (42, 20), (42, 20)], "prompt logprobs skip the cache, so no lookup"
+
+
+def test_prompt_logprobs_survive_a_preemption_in_the_middle_of_the_prompt(tiny) -> None:  # type: ignore[no-untyped-def]
+    """A prompt computed in chunks is preempted (a decoding request outgrows the pool) and recomputed from
+    its first token: its prompt logprobs are still one per prompt token, those of the model alone."""
+    engine = engine_for(
+        tiny,
+        kv_cache="paged",
+        block_size=4,
+        num_kv_blocks=9,
+        max_num_seqs=2,
+        chunked_prefill=True,
+        max_num_batched_tokens=3,
+        max_model_len=64,
+    )
+    prompt = list(range(10, 34))
+    outputs = run_to_completion(
+        engine,
+        {
+            "grows": ([100, 101, 102, 103], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+            "asks": (prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)),
+        },
+    )
+    assert engine.scheduler_stats().num_preemptions > 0
+    logits = SingleSequenceRunner(tiny.model, len(prompt)).forward_all(prompt)
+    expected = torch.log_softmax(logits.double(), dim=-1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])
+    got = outputs["asks"].prompt_logprobs
+    assert got is not None and got[0] is None and len(got) == len(prompt)
+    logprobs = [position[token].logprob for position, token in zip(got[1:], prompt[1:], strict=True)]
+    torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.double), expected[:, 0], atol=1e-4, rtol=0)
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token(tiny) -> None:  # type: ignore[no-untyped-def]

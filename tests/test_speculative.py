@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine_helpers import engine_for
+from engine_helpers import engine_for, run_to_completion
 from spec_workloads import repetitive_workload, run_workload
 from tiny_models import save_tiny_model, tiny_configs
 from tokenmill import LLM, SamplingParams
@@ -185,6 +185,47 @@ def test_priority_preemption_with_speculation_keeps_greedy_outputs(tiny) -> None
     assert engine.scheduler_stats().num_preemptions > 0
 
 
+def test_a_sequence_preempted_after_the_guessing_drops_its_guesses(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Guesses are made before the step is scheduled; a sequence that scheduling then preempts (a sequence
+    before it needed its blocks) must drop them. Kept, they were verified once it was readmitted into a
+    batch of ``disable_by_batch_size`` sequences, where no step may guess. (Found by a random search.)"""
+    cutoff = 3
+    engine = speculative_engine(
+        tiny, block_size=4, num_kv_blocks=16, max_num_seqs=4, speculative_disable_by_batch_size=cutoff
+    )
+    patterns = [
+        [158, 190, 151],
+        [364, 363, 279],
+        [145, 59, 16],
+        [199, 217, 132],
+        [165, 330, 353],
+        [73, 285, 34],
+    ]
+    max_tokens = [13, 29, 15, 24, 20, 12]
+    workload = {
+        f"r{i}": (pattern * 3, n) for i, (pattern, n) in enumerate(zip(patterns, max_tokens, strict=True))
+    }
+    arrivals, outputs = list(workload), {rid: [] for rid in workload}
+    guessed_at: list[int] = []  # running sequences at each step that verified guesses
+    step = 0
+    while arrivals or engine.has_unfinished_requests():
+        if arrivals and step % 3 == 0:
+            rid = arrivals.pop(0)
+            prompt, max_tokens = workload[rid]
+            engine.add_request(
+                rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            )
+        running, before = len(engine.scheduler.running), engine.scheduler.stats.spec_decode.num_steps
+        for delta in engine.step():
+            outputs[delta.request_id] += delta.new_token_ids
+        if engine.scheduler.stats.spec_decode.num_steps > before:
+            guessed_at.append(running)
+        step += 1
+    assert_matches_reference(tiny, workload, outputs)
+    assert engine.scheduler_stats().num_preemptions > 0
+    assert guessed_at and max(guessed_at) < cutoff
+
+
 def test_max_tokens_eos_and_stop_tokens_end_a_multi_token_step_exactly(tiny) -> None:  # type: ignore[no-untyped-def]
     """A token after the one that ends the sequence is dropped, whatever the verification accepted."""
     prompt = [5, 6, 7, 8] * 4
@@ -258,6 +299,24 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny, tmp_path: Path) -> Non
     ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vocabulary"):
         speculative_engine(tiny, load_model(tmp_path, dtype="float32"))
+
+
+def test_a_request_id_like_another_requests_sequence_id_gets_its_own_draft(tiny) -> None:  # type: ignore[no-untyped-def]
+    """The draft keeps one shadow sequence per sequence: request "x[0]" beside request "x" with n=2 (whose
+    first sequence is "x[0]" too) gets its own, and every greedy guess of the self-draft is accepted."""
+    engine = speculative_engine(tiny, tiny, debug_checks=True)
+    pattern = [50, 60, 70]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    workload = {
+        "x": ([5, 6, 7, *pattern * 3], SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True)),
+        "x[0]": ([200, 201, *pattern * 4], greedy),
+    }
+    outputs = run_to_completion(engine, workload)
+    for rid, (prompt, params) in workload.items():
+        expected = greedy_generate(tiny.model, prompt, 12).token_ids
+        assert [o.token_ids for o in outputs[rid].outputs] == [expected] * params.n, rid
+    spec = engine.scheduler_stats().spec_decode
+    assert spec.num_accepted == spec.num_proposed > 0
 
 
 def test_request_metrics_count_drafts_and_accepted_tokens(tiny) -> None:  # type: ignore[no-untyped-def]

@@ -50,7 +50,7 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
-    request_id: str = ""  # the user's request this sequence belongs to
+    request_id: str = ""  # the user's request this sequence belongs to (any string, "" too)
     index: int = 0  # which of the n sequences this is
     prompt_logprobs: list[RowLogprobs] = field(default_factory=list)  # filled as the prompt is computed
     grammar: GrammarMatcher | None = None  # with structured outputs: where its output is in its grammar
@@ -66,7 +66,9 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        self.request_id = self.request_id or self.seq_id
+
+    def __repr__(self) -> str:  # the KV cache's bookkeeping names its sequences (its keys) this way
+        return f"Sequence({self.seq_id!r})"
 
     @property
     def num_prompt_logprobs(self) -> int:

@@ -41,7 +41,8 @@ NO_HIT = PrefixHit()
 
 
 class KVCacheManager(ABC):
-    """Block bookkeeping for the sequences in flight, keyed by ``Sequence.seq_id``."""
+    """Block bookkeeping for the sequences in flight, keyed by the :class:`Sequence` objects themselves: ids
+    need not be unique (request ``"x[0]"`` and sequence 0 of a request ``"x"`` with ``n=2`` share one)."""
 
     block_size: int
 
@@ -176,7 +177,7 @@ class PagedKVCacheManager(KVCacheManager):
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.blocks = BlockManager(num_blocks, block_size)
         self.block_size = block_size
-        self._num_tokens: dict[str, int] = {}  # slots allocated per sequence (for rollback)
+        self._num_tokens: dict[Sequence, int] = {}  # slots allocated per sequence (for rollback)
 
     def match(self, seq: Sequence) -> PrefixHit:
         return NO_HIT
@@ -184,10 +185,10 @@ class PagedKVCacheManager(KVCacheManager):
     def allocate(
         self, seq: Sequence, num_tokens: int, keep_free: int = 0, prefix: PrefixHit = NO_HIT
     ) -> bool:
-        held = self._num_tokens.get(seq.seq_id)
-        if held is not None and not keep_free and num_tokens <= self.blocks.num_slots(seq.seq_id):
+        held = self._num_tokens.get(seq)
+        if held is not None and not keep_free and num_tokens <= self.blocks.num_slots(seq):
             # Within the blocks it holds (most decode steps): nothing to take.
-            self._num_tokens[seq.seq_id] = max(num_tokens, held)
+            self._num_tokens[seq] = max(num_tokens, held)
             return True
         if self.blocks_needed(seq, num_tokens) + keep_free > self.num_free_blocks:
             return False
@@ -195,27 +196,27 @@ class PagedKVCacheManager(KVCacheManager):
         return True
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        self.blocks.allocate(seq.seq_id, num_tokens)
-        self._num_tokens[seq.seq_id] = max(num_tokens, self._num_tokens.get(seq.seq_id, 0))
+        self.blocks.allocate(seq, num_tokens)
+        self._num_tokens[seq] = max(num_tokens, self._num_tokens.get(seq, 0))
 
     def free(self, seq: Sequence) -> None:
-        if seq.seq_id in self.blocks:
-            self.blocks.free(seq.seq_id)
-        self._num_tokens.pop(seq.seq_id, None)
+        if seq in self.blocks:
+            self.blocks.free(seq)
+        self._num_tokens.pop(seq, None)
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
-        held = self._num_tokens.get(seq.seq_id, 0)
+        held = self._num_tokens.get(seq, 0)
         if not 0 <= num_tokens <= held:
             raise ValueError(
                 f"cannot roll back {num_tokens} of the {held} slots sequence {seq.seq_id!r} holds"
             )
         if num_tokens == 0:
             return
-        self._num_tokens[seq.seq_id] = held - num_tokens
-        self.blocks.truncate(seq.seq_id, self.blocks_for_tokens(held - num_tokens))
+        self._num_tokens[seq] = held - num_tokens
+        self.blocks.truncate(seq, self.blocks_for_tokens(held - num_tokens))
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return self.blocks.blocks_needed(seq.seq_id, num_tokens)
+        return self.blocks.blocks_needed(seq, num_tokens)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return self.blocks.blocks_for_tokens(num_tokens)
@@ -242,12 +243,12 @@ class PagedKVCacheManager(KVCacheManager):
         return self.blocks.allocator.num_used
 
     def block_table(self, seq: Sequence) -> list[int]:
-        return self.blocks.block_table(seq.seq_id)
+        return self.blocks.block_table(seq)
 
     def paging_arrays(
         self, seqs: abc.Sequence[Sequence], starts: np.ndarray, ends: np.ndarray, width: int | None = None
     ) -> dict[str, np.ndarray]:
-        tables = [self.blocks.table_view(seq.seq_id) for seq in seqs]
+        tables = [self.blocks.table_view(seq) for seq in seqs]
         padded = self.blocks.padded_tables(tables, np.int32, width)
         return {"slot_mapping": self.blocks.slots(tables, starts, ends, padded), "block_tables": padded}
 
@@ -266,8 +267,8 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
         self.tree = RadixCache(self.blocks.allocator, block_size)
-        self._locked: dict[str, RadixNode] = {}  # the cached prefix each sequence pins
-        self._num_cached_blocks: dict[str, int] = {}  # how many of its full blocks were inserted
+        self._locked: dict[Sequence, RadixNode] = {}  # the cached prefix each sequence pins
+        self._num_cached_blocks: dict[Sequence, int] = {}  # how many of its full blocks were inserted
 
     def match(self, seq: Sequence) -> PrefixHit:
         match = self.tree.match_prefix(seq.token_ids, seq.cache_salt)
@@ -285,31 +286,31 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
         if new_blocks + keep_free > self.tree.num_free_after_lock(match):
             return False
         self.tree.lock(match)
-        self._locked[seq.seq_id] = match.node
-        self._num_cached_blocks[seq.seq_id] = len(match.blocks)  # in the tree already: never rolled back
-        self.blocks.share_prefix(seq.seq_id, match.blocks)
+        self._locked[seq] = match.node
+        self._num_cached_blocks[seq] = len(match.blocks)  # in the tree already: never rolled back
+        self.blocks.share_prefix(seq, match.blocks)
         self._grow(seq, num_tokens)
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         full_blocks = seq.num_computed_tokens // self.block_size
-        if full_blocks > self._num_cached_blocks.get(seq.seq_id, 0):
+        if full_blocks > self._num_cached_blocks.get(seq, 0):
             tokens = seq.token_ids[: full_blocks * self.block_size]
-            self.tree.insert(tokens, self.blocks.table_view(seq.seq_id), seq.cache_salt)
-            self._num_cached_blocks[seq.seq_id] = full_blocks
+            self.tree.insert(tokens, self.blocks.table_view(seq), seq.cache_salt)
+            self._num_cached_blocks[seq] = full_blocks
 
     def free(self, seq: Sequence) -> None:
         """Unpin the cached prefix, then drop the table: blocks the tree holds stay cached (evicted LRU
         when the pool runs dry), the rest are free at once."""
-        node = self._locked.pop(seq.seq_id, None)
-        self._num_cached_blocks.pop(seq.seq_id, None)
+        node = self._locked.pop(seq, None)
+        self._num_cached_blocks.pop(seq, None)
         if node is not None:
             self.tree.unlock(node)
         super().free(seq)
 
     def rollback(self, seq: Sequence, num_tokens: int) -> None:
-        cached_tokens = self._num_cached_blocks.get(seq.seq_id, 0) * self.block_size
-        if self._num_tokens.get(seq.seq_id, 0) - num_tokens < cached_tokens:
+        cached_tokens = self._num_cached_blocks.get(seq, 0) * self.block_size
+        if self._num_tokens.get(seq, 0) - num_tokens < cached_tokens:
             raise ValueError(
                 f"cannot roll back {num_tokens} tokens of {seq.seq_id!r}: they are in the prefix cache"
             )

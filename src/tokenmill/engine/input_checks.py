@@ -12,6 +12,14 @@ class InvalidRequestError(TokenmillError, ValueError):
     """The request cannot be served as asked; the message names the parameter and the limit."""
 
 
+def check_request_types(request_id: object, params: object) -> None:
+    """A string id (an int 5 and a float 5.0 would be one key) and ``SamplingParams`` (or None)."""
+    if not isinstance(request_id, str):
+        raise InvalidRequestError(f"request_id must be a string, got {request_id!r}")
+    if params is not None and not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be a SamplingParams (or None), got {params!r}")
+
+
 def check_priority(priority: int, priority_scheduling: bool) -> None:
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidRequestError(f"priority must be an integer, got {priority!r}")

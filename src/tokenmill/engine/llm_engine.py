@@ -22,6 +22,7 @@ from tokenmill.engine.hardware_defaults import Platform, resolve_config, resolve
 from tokenmill.engine.input_checks import (
     InvalidRequestError,
     check_priority,
+    check_request_types,
     check_token_ids,
     prompt_token_ids,
     resolve_max_tokens,
@@ -206,6 +207,7 @@ class LLMEngine:
         """Queue a request (``params.n`` sequences); returns its prompt token ids. ``priority``: lower is
         served first, under the ``priority`` scheduling policy only. ``cache_salt``: the request shares
         prefix-cache blocks only with requests of the same salt (None: the unsalted ones)."""
+        check_request_types(request_id, params)
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")

@@ -255,16 +255,19 @@ class ModelRunner:
     def _prompt_logprobs(
         self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor
     ) -> dict[Seq, list[RowLogprobs]]:
-        """Logprobs of the prompt tokens this step's chunks predict, for sequences that asked for them."""
+        """Logprobs of the prompt tokens this step's chunks predict, for sequences that asked for them. A
+        sequence preempted mid-prompt recomputes positions whose logprobs it has already: only the positions
+        after those are taken."""
         found: dict[Seq, list[RowLogprobs]] = {}
         row = 0
         for chunk in chunks:
             seq, num_top = chunk.seq, chunk.seq.params.prompt_logprobs
+            first = seq.num_prompt_logprobs  # the first position whose logprob is still to come
             last_predicting = min(chunk.end, seq.num_prompt_tokens - 1)  # positions predicting a prompt token
-            if num_top is not None and seq.num_prompt_logprobs == chunk.start < last_predicting:
-                count = last_predicting - chunk.start
-                logits = self._compute_logits(hidden[row : row + count])
-                targets = seq.prompt_token_ids[chunk.start : last_predicting + 1]
+            if num_top is not None and chunk.start <= first < last_predicting:
+                skipped = row + first - chunk.start
+                logits = self._compute_logits(hidden[skipped : row + last_predicting - chunk.start])
+                targets = seq.prompt_token_ids[first : last_predicting + 1]
                 found[seq] = compute_prompt_logprobs(logits, targets, num_top).to_rows(num_top)
             row += chunk.num_tokens
         return found

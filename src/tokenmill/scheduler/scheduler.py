@@ -167,6 +167,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.drop_drafts()
+        seq.draft_token_ids = []  # guessed for a step it no longer runs in (kept, a later step verified them)
         self.queues.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING

@@ -45,7 +45,7 @@ class DraftModelProposer(Proposer):
         super().__init__(num_speculative_tokens)
         self.runner = runner
         self.vocab_size = vocab_size
-        self.shadows: dict[str, Seq] = {}  # seq_id -> the tokens the draft has (its KV: num_computed)
+        self.shadows: dict[Seq, Seq] = {}  # sequence -> the tokens the draft has (its KV: num_computed)
 
     @classmethod
     def load(
@@ -95,21 +95,21 @@ class DraftModelProposer(Proposer):
         rounds = [
             (shadow, limit) for shadow, limit in zip(active, max_drafts, strict=True) if shadow is not None
         ]
-        guesses: dict[str, list[int]] = {shadow.seq_id: [] for shadow, _ in rounds}
-        dists: dict[str, list[torch.Tensor]] = {shadow.seq_id: [] for shadow, _ in rounds}
+        guesses: dict[Seq, list[int]] = {shadow: [] for shadow, _ in rounds}
+        dists: dict[Seq, list[torch.Tensor]] = {shadow: [] for shadow, _ in rounds}
         for step in range(max((limit for _, limit in rounds), default=0)):
             shadows = [shadow for shadow, limit in rounds if limit > step]
             for shadow, token, probs in self._draft_step(shadows):
-                guesses[shadow.seq_id].append(token)
+                guesses[shadow].append(token)
                 if probs is not None:
-                    dists[shadow.seq_id].append(probs)
-        return [self._proposal(seq, guesses, dists) for seq in seqs]
+                    dists[shadow].append(probs)
+        return [self._proposal(shadow, guesses, dists) for shadow in active]
 
     def _proposal(
-        self, seq: Seq, guesses: dict[str, list[int]], dists: dict[str, list[torch.Tensor]]
+        self, shadow: Seq | None, guesses: dict[Seq, list[int]], dists: dict[Seq, list[torch.Tensor]]
     ) -> Proposal:
-        tokens = guesses.get(seq.seq_id, [])
-        probs = dists.get(seq.seq_id, [])
+        tokens = guesses.get(shadow, []) if shadow is not None else []
+        probs = dists.get(shadow, []) if shadow is not None else []
         return Proposal(tokens, torch.stack(probs) if probs and len(probs) == len(tokens) else None)
 
     def _catch_up(self, seq: Seq, num_guesses: int) -> Seq | None:
@@ -117,7 +117,7 @@ class DraftModelProposer(Proposer):
         slots given back) and ``seq``'s tokens; None (no guesses this round, and the shadow dropped) when
         the pool cannot hold the round's tokens."""
         manager = self.runner.kv.manager
-        shadow = self.shadows.get(seq.seq_id)
+        shadow = self.shadows.get(seq)
         if shadow is None:
             shadow = Seq(
                 seq.seq_id,
@@ -127,7 +127,7 @@ class DraftModelProposer(Proposer):
                 seq.eos_token_ids,
                 bad_words=seq.bad_words,
             )
-            self.shadows[seq.seq_id] = shadow
+            self.shadows[seq] = shadow
         # Never all of seq's tokens: the last one's logits give the first guess. The draft may have computed
         # it already, when the step verified fewer guesses than proposed and its bonus token was the next.
         kept = min(
@@ -137,7 +137,7 @@ class DraftModelProposer(Proposer):
         shadow.token_ids = list(seq.token_ids)
         shadow.num_computed_tokens = kept
         if not manager.allocate(shadow, shadow.num_tokens + num_guesses - 1):  # the round's slots
-            manager.free(self.shadows.pop(seq.seq_id))
+            manager.free(self.shadows.pop(seq))
             return None
         return shadow
 
@@ -164,9 +164,9 @@ class DraftModelProposer(Proposer):
 
     def _forget_others(self, seqs: Sequence[Seq]) -> None:
         """Free the shadows of sequences not asking this round (ended, preempted, or about to end)."""
-        asking = {seq.seq_id for seq in seqs}
-        for seq_id in [seq_id for seq_id in self.shadows if seq_id not in asking]:
-            self.runner.kv.manager.free(self.shadows.pop(seq_id))
+        asking = set(seqs)
+        for seq in [seq for seq in self.shadows if seq not in asking]:
+            self.runner.kv.manager.free(self.shadows.pop(seq))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
