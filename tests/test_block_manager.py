@@ -763,6 +763,13 @@ def num_blocks_from_gpu_memory(utilization: float, *shape: Any, reserve_bytes: i
     )
 
 
+def _fraction_of_an_indexed_device(device: object) -> float:
+    """As ``torch.cuda.get_per_process_memory_fraction`` does, refuse a device without an index."""
+    if not isinstance(device, int):
+        raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+    return 1.0
+
+
 def test_num_blocks_from_gpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     gib = 1024**3
     per_block = kv_bytes_per_block(16, 4, 2, 64, torch.bfloat16)
@@ -770,9 +777,12 @@ def test_num_blocks_from_gpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 8 * gib)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 8 * gib)  # nothing handed back
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", _fraction_of_an_indexed_device)
     args = (16, 4, 2, 64, torch.bfloat16)
     assert num_blocks_from_gpu_memory(0.5, *args) == (40 - 8) * gib // per_block
+    for device in ("cuda", torch.device("cuda"), "cuda:0", 0):  # torch's call wants an index
+        assert read_device_memory(device) == read_device_memory()
     assert num_blocks_from_gpu_memory(1.0, *args) == 70 * gib // per_block  # capped by free memory
     assert num_blocks_from_gpu_memory(0.5, *args, reserve_bytes=gib) == 31 * gib // per_block
     with pytest.raises(ValueError, match=r"0.1 x 80.00 GiB total, .* - 8.00 GiB used by this process"):

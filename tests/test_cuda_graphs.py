@@ -818,7 +818,8 @@ class FakeGpuMemory:
             "max_memory_allocated": lambda device=None: self.peak_allocated,
             "max_memory_reserved": lambda device=None: self.peak_reserved,
             "memory_reserved": lambda device=None: self.reserved,
-            "get_per_process_memory_fraction": lambda device=None: 1.0,
+            "current_device": lambda: 0,
+            "get_per_process_memory_fraction": lambda device: 1.0,
             "mem_get_info": lambda device=None: (self.total - self.others - self.reserved, self.total),
         }
         for name, fake in fakes.items():

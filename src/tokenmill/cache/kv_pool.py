@@ -76,13 +76,16 @@ def read_device_memory(device: torch.device | str | int | None = None) -> Device
     activations, and the free memory no longer counts them as taken."""
     if not torch.cuda.is_available():
         raise ValueError("no CUDA device: size the KV cache with num_blocks_for_budget and a byte budget")
-    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    # get_per_process_memory_fraction refuses a device without an index ("cuda"): name it by its index.
+    named = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    index = named.index if named.index is not None else torch.cuda.current_device()
+    free_bytes, total_bytes = torch.cuda.mem_get_info(index)
     return DeviceMemory(
         total_bytes,
         free_bytes,
-        torch.cuda.max_memory_reserved(device),
-        torch.cuda.memory_reserved(device),
-        torch.cuda.get_per_process_memory_fraction(device),
+        torch.cuda.max_memory_reserved(index),
+        torch.cuda.memory_reserved(index),
+        torch.cuda.get_per_process_memory_fraction(index),
     )
 
 
