@@ -65,3 +65,23 @@ def test_the_float32_reference_keeps_a_borrowed_tokenizer_and_eos(tiny_llama_fol
     copy = float32_copy(EngineConfig(model=str(tiny_llama_folder)), borrowed)
     assert copy.dtype == torch.float32 and copy.eos_token_ids == (7,) and copy.tokenizer is None
     assert loaded.eos_token_ids != (7,)
+
+
+def test_a_model_loaded_for_fewer_positions_serves_only_those(tiny_llama_folder) -> None:  # type: ignore[no-untyped-def]
+    """An engine asked for more positions than its model was loaded for is refused by name (it started,
+    and its first long sequence indexed past the rotary table: a device-side assert on CUDA); the checks'
+    float32 copy is loaded for the positions the check needs, even from a float32 model loaded for fewer."""
+    from tokenmill.benchmarks.correctness import float32_copy
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.loading import load_model
+
+    short = load_model(tiny_llama_folder, dtype="float32", max_model_len=32)
+    config = EngineConfig(model=str(tiny_llama_folder), max_model_len=64)
+    assert short.position_limit() == 32 < short.config.max_position_embeddings
+    with pytest.raises(ValueError, match="max_model_len 64 exceeds the model's limit of 32 positions"):
+        LLMEngine(config, loaded=short)
+    for loaded in (short, load_model(tiny_llama_folder, dtype="bfloat16", max_model_len=32)):
+        copy = float32_copy(config, loaded)
+        assert copy.dtype == torch.float32 and copy.position_limit() >= 64
+    assert float32_copy(EngineConfig(model=str(tiny_llama_folder), max_model_len=32), short) is short

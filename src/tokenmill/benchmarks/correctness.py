@@ -95,9 +95,9 @@ def check_fast_path(
 
 
 def float32_copy(config: EngineConfig, loaded: LoadedModel) -> LoadedModel:
-    """``loaded`` in float32: the same weights reloaded, with the tokenizer and EOS ids it was given (a
-    dummy model's may be borrowed from another model)."""
-    if loaded.dtype == torch.float32:
+    """``loaded`` in float32 for ``config.max_model_len`` positions: the same weights reloaded, with the
+    tokenizer and EOS ids it was given (a dummy model's may be borrowed from another model)."""
+    if loaded.dtype == torch.float32 and loaded.position_limit() >= (config.max_model_len or 0):
         return loaded
     copy = load_model(
         config.model,

@@ -173,7 +173,7 @@ class LLMEngine:
         )
 
     def _max_model_len(self, config: EngineConfig) -> int:
-        model_limit = self.model_config.max_position_embeddings
+        model_limit = self.loaded.position_limit()
         wanted = config.max_model_len or min(model_limit, DEFAULT_MAX_MODEL_LEN)
         if wanted > model_limit:
             raise ValueError(f"max_model_len {wanted} exceeds the model's limit of {model_limit} positions")

@@ -50,6 +50,12 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float
     quantization: str = "none"  # the method the model was built with (``auto`` decided)
+    max_positions: int = 0  # the positions its rotary tables were built for (``max_model_len``); 0: all
+
+    def position_limit(self) -> int:
+        """How many positions this model can serve: its config's, or fewer where it was loaded for fewer."""
+        limit = self.config.max_position_embeddings
+        return min(limit, self.max_positions) if self.max_positions else limit
 
 
 def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -112,7 +118,9 @@ def load_model(
     eos = tuple(dict.fromkeys(config.eos_token_ids + extra_eos))
     seconds = time.perf_counter() - start
     net = net.eval()
-    return LoadedModel(net, config, own_tokenizer, eos, name, device, torch_dtype, seconds, quant.method)
+    return LoadedModel(
+        net, config, own_tokenizer, eos, name, device, torch_dtype, seconds, quant.method, max_model_len or 0
+    )
 
 
 def packs_by_default(source: "Checkpoint | DummySource", device: torch.device, dtype: torch.dtype) -> bool:

@@ -64,7 +64,6 @@ def check_structured(
     import jsonschema  # a test dependency (pip install 'tokenmill[dev]')
 
     check = StructuredCheck(config.structured_output_backend, num_prompts=len(prompts))
-    reference = dataclasses.replace(float32_copy(config, loaded), tokenizer=tokenizer)
     longest = max(len(prompt) for prompt in prompts) + max_tokens
     max_model_len = min(-(-longest // 64) * 64, loaded.config.max_position_embeddings)
     config = config.with_options(
@@ -74,6 +73,7 @@ def check_structured(
         warm_start=False,
         num_kv_blocks=len(prompts) * (-(-longest // config.kv.block_size) + 1),
     )
+    reference = dataclasses.replace(float32_copy(config, loaded), tokenizer=tokenizer)
     fast = _greedy_nested(LLMEngine(config, loaded=reference), prompts, max_tokens)
     plain = _greedy_nested(
         LLMEngine(config.with_options(**PLAIN_PATH), loaded=reference), prompts, max_tokens
