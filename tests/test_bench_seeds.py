@@ -17,15 +17,15 @@ from tokenmill.benchmarks.seeds.batch_scaling import measure_batch_scaling
 from tokenmill.benchmarks.seeds.engines import (
     SeedSetup,
     base_config,
-    engine_for,
     fixed_workload,
+    run_on_engine,
     serve_at_once,
 )
 from tokenmill.benchmarks.seeds.kv_memory import measure_kv_memory
 from tokenmill.benchmarks.seeds.kv_speed import CACHED, RECOMPUTE, measure_kv_speed, speed_config
 from tokenmill.benchmarks.seeds.published import KV_CACHE_SPEEDUP
 from tokenmill.benchmarks.seeds.report import Roofline, render
-from tokenmill.benchmarks.seeds.serving import BATCHED, SEQUENTIAL, closed_loop
+from tokenmill.benchmarks.seeds.serving import BATCHED, SEQUENTIAL, LoadRun, closed_loop
 from tokenmill.benchmarks.seeds.sizes import PRESETS, SeedSizes, check_sizes
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import load_model
@@ -90,13 +90,16 @@ def test_the_recompute_engine_processes_the_whole_sequence_every_step(setup: See
     prompt, generated = 20, 12  # a full block of the prompt would be cached
     workload = fixed_workload(setup, 1, prompt, generated)
     processed = {}
+
+    def forward_tokens_of_two_rows(engine: LLMEngine) -> float:
+        counts = count_forward_tokens(engine)
+        for _ in range(2):
+            run = in_thread(lambda: serve_at_once(engine, workload))
+            assert run.output_tokens == generated
+        return sum(counts) / 2
+
     for mode in (CACHED, RECOMPUTE):
-        with engine_for(setup, speed_config(setup, mode)) as engine:
-            counts = count_forward_tokens(engine)
-            for _ in range(2):
-                run = in_thread(lambda: serve_at_once(engine, workload))
-                assert run.output_tokens == generated
-            processed[mode] = sum(counts) / 2
+        processed[mode] = run_on_engine(setup, speed_config(setup, mode), forward_tokens_of_two_rows)
     assert processed[CACHED] == prompt + generated - 1  # the prompt once, then one token per step
     assert processed[RECOMPUTE] == sum(prompt + step for step in range(generated))
 
@@ -194,10 +197,13 @@ def watch_running(engine: LLMEngine) -> list[int]:
 def test_serving_keeps_the_users_requests_in_flight(setup: SeedSetup) -> None:
     users = 3
     workload = fixed_workload(setup, 5, TINY.serve_input_len, TINY.serve_output_len)
+
+    def watched(engine: LLMEngine) -> tuple[list[int], LoadRun]:
+        running = watch_running(engine)
+        return running, in_thread(lambda: closed_loop(engine, workload, users))
+
     for batching, at_once in ((SEQUENTIAL, 1), (BATCHED, users)):
-        with engine_for(setup, setup.config(batching=batching, max_num_seqs=users)) as engine:
-            running = watch_running(engine)
-            run = in_thread(lambda: closed_loop(engine, workload, users))
+        running, run = run_on_engine(setup, setup.config(batching=batching, max_num_seqs=users), watched)
         assert max(running) == at_once, batching
         assert run.num_requests == len(run.latencies_s) == 5
         assert run.output_tokens == 5 * TINY.serve_output_len
@@ -270,3 +276,13 @@ def test_the_bandwidth_share_counts_the_weights_once_per_step_and_the_kv_per_seq
     roofline = Roofline(bandwidth_bytes_per_s=1000.0, weight_bytes=100, kv_bytes_per_token=4)
     # 10 tok/s at batch 2 is 5 steps/s, each reading 100 weight bytes + 2 sequences x 3 tokens x 4 bytes.
     assert roofline.share(10.0, 2, 3.0) == pytest.approx((100 + 2 * 3 * 4) * 5 / 1000)
+
+
+def test_an_engine_is_gone_when_its_measurement_returns(setup: SeedSetup) -> None:
+    """The next table's engine sizes its KV pool from the memory left: the last one must be collected by
+    then (a ``with`` target in the tables' loops kept it alive; on a GPU the next engine found no room)."""
+    import weakref
+
+    engines: list[weakref.ref[LLMEngine]] = []
+    assert run_on_engine(setup, setup.config(), lambda engine: engines.append(weakref.ref(engine))) is None
+    assert engines and engines[0]() is None

@@ -3,8 +3,9 @@ process's) peak and the KV pool's used bytes. Each batch gets a fresh engine who
 that batch, so the peak grows with the batch as the seed's does."""
 
 from dataclasses import dataclass
+from functools import partial
 
-from tokenmill.benchmarks.seeds.engines import BatchRun, SeedSetup, engine_for, fastest_of, fixed_workload
+from tokenmill.benchmarks.seeds.engines import BatchRun, SeedSetup, fastest_of, fixed_workload, run_on_engine
 from tokenmill.benchmarks.seeds.published import BATCH_SCALING
 
 
@@ -32,8 +33,7 @@ def measure_batch_scaling(setup: SeedSetup) -> list[BatchRow]:
             max_num_seqs=batch_size, num_kv_blocks=pool_blocks(setup, batch_size, total_len)
         )
         workload = fixed_workload(setup, batch_size, sizes.batch_input_len, sizes.batch_output_len)
-        with engine_for(setup, config) as engine:
-            run = fastest_of(engine, workload, sizes.repeats)
+        run = run_on_engine(setup, config, partial(fastest_of, workload=workload, repeats=sizes.repeats))
         rows.append(BatchRow(batch_size, run))
         print(f"batch table: batch {batch_size}: {run.tokens_per_s:.1f} tok/s", flush=True)
     return rows

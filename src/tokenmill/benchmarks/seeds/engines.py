@@ -3,10 +3,9 @@ over a table's rows, and the engine's config for each row."""
 
 import gc
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,6 +17,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.loading import LoadedModel
 from tokenmill.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 WARMUP_TOKENS = 4
 
@@ -61,13 +62,14 @@ def fixed_workload(setup: SeedSetup, num_requests: int, input_len: int, output_l
     return build_workload(spec, None, setup.loaded.config.vocab_size)
 
 
-@contextmanager
-def engine_for(setup: SeedSetup, config: EngineConfig) -> Iterator[LLMEngine]:
-    """An engine over the loaded weights, warmed up by one short request; its KV pool is freed after."""
+def run_on_engine(setup: SeedSetup, config: EngineConfig, measure: Callable[[LLMEngine], T]) -> T:
+    """``measure`` run on an engine over the loaded weights, warmed up by one short request. The engine
+    is referenced from here only, so its KV pool is freed before the next one sizes itself (a ``with``
+    target in the caller's loop kept it alive through the release and the next engine's start)."""
     engine = LLMEngine(config, loaded=setup.loaded)
     try:
         warm_up(engine)
-        yield engine
+        return measure(engine)
     finally:
         del engine
         release_memory(setup.device)

@@ -17,9 +17,9 @@ from tokenmill.benchmarks.report import fmt_bytes
 from tokenmill.benchmarks.seeds.engines import (
     BatchRun,
     SeedSetup,
-    engine_for,
     fixed_workload,
     release_memory,
+    run_on_engine,
     serve_at_once,
 )
 
@@ -102,11 +102,14 @@ def _paged_runs(setup: SeedSetup, pool_blocks: int) -> list[BatchRun]:
     config = setup.config(
         kv_cache="paged", num_kv_blocks=pool_blocks, max_num_seqs=max(sizes.memory_batch_sizes)
     )
-    with engine_for(setup, config) as engine:
-        return [
+    return run_on_engine(
+        setup,
+        config,
+        lambda engine: [
             serve_at_once(engine, fixed_workload(setup, n, sizes.memory_input_len, sizes.memory_output_len))
             for n in sizes.memory_batch_sizes
-        ]
+        ],
+    )
 
 
 def _contiguous_run(setup: SeedSetup, batch_size: int) -> tuple[BatchRun | None, str]:
@@ -114,8 +117,7 @@ def _contiguous_run(setup: SeedSetup, batch_size: int) -> tuple[BatchRun | None,
     config = setup.config(kv_cache="contiguous", max_num_seqs=batch_size, num_kv_blocks=batch_size)
     workload = fixed_workload(setup, batch_size, sizes.memory_input_len, sizes.memory_output_len)
     try:
-        with engine_for(setup, config) as engine:
-            return serve_at_once(engine, workload), ""
+        return run_on_engine(setup, config, lambda engine: serve_at_once(engine, workload)), ""
     except torch.OutOfMemoryError as error:
         reason = str(error).split("\n")[0].split(". ")[0]
     release_memory(setup.device)  # the error's frames held the partial allocation until here

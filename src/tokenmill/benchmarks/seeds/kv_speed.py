@@ -3,7 +3,7 @@ whole sequence), one request at a time, by generation length and by prompt lengt
 
 from dataclasses import dataclass
 
-from tokenmill.benchmarks.seeds.engines import SeedSetup, engine_for, fastest_of, fixed_workload
+from tokenmill.benchmarks.seeds.engines import SeedSetup, fastest_of, fixed_workload, run_on_engine
 from tokenmill.benchmarks.seeds.published import KV_CACHE_SPEEDUP
 from tokenmill.config import EngineConfig
 
@@ -45,12 +45,15 @@ def measure_kv_speed(setup: SeedSetup) -> list[SpeedRow]:
     shapes = row_shapes(setup)
     speeds: dict[str, list[float]] = {}
     for mode in (CACHED, RECOMPUTE):
-        with engine_for(setup, speed_config(setup, mode)) as engine:
-            speeds[mode] = [
+        speeds[mode] = run_on_engine(
+            setup,
+            speed_config(setup, mode),
+            lambda engine: [
                 fastest_of(engine, fixed_workload(setup, 1, prompt, gen), setup.sizes.repeats).tokens_per_s
                 for _, prompt, gen in shapes
-            ]
-            print(f"kv-cache table: {mode} done", flush=True)
+            ],
+        )
+        print(f"kv-cache table: {mode} done", flush=True)
     return [
         SpeedRow(axis, prompt, gen, cached, recompute)
         for (axis, prompt, gen), cached, recompute in zip(

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from tokenmill.benchmarks.measure import synchronize
-from tokenmill.benchmarks.seeds.engines import SeedSetup, engine_for, fixed_workload
+from tokenmill.benchmarks.seeds.engines import SeedSetup, fixed_workload, run_on_engine
 from tokenmill.benchmarks.seeds.published import SERVING_SPEEDUP
 from tokenmill.benchmarks.stats import mean, percentile
 from tokenmill.benchmarks.workload import Workload
@@ -86,8 +86,11 @@ def measure_serving(setup: SeedSetup) -> list[ServingRow]:
     runs: dict[str, list[LoadRun]] = {}
     for batching in (SEQUENTIAL, BATCHED):
         config = setup.config(batching=batching, max_num_seqs=max(sizes.users))
-        with engine_for(setup, config) as engine:
-            runs[batching] = [closed_loop(engine, _workload(setup, users), users) for users in sizes.users]
+        runs[batching] = run_on_engine(
+            setup,
+            config,
+            lambda engine: [closed_loop(engine, _workload(setup, users), users) for users in sizes.users],
+        )
         print(f"serving table: {batching} done", flush=True)
     return [
         ServingRow(users, sequential, batched)
