@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine_helpers import engine_for, llm_for, run_to_completion
-from tiny_tokenizers import save_tiny_text_model
+from tiny_tokenizers import text_model_fixtures
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.bad_words import bad_words_token_ids
 from tokenmill.engine.stop_strings import StopStringDetokenizer
-from tokenmill.loading import LoadedModel, load_model
+from tokenmill.loading import LoadedModel
 from tokenmill.outputs import CompletionOutput
 from tokenmill.sequence import Sequence as Seq
 from tokenmill.speculative.verification import verification_rows
@@ -27,19 +27,7 @@ PROMPT = "once upon a time"
 SPECULATIVE = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_text_model(tmp_path_factory.mktemp("tiny-text"))
-
-
-@pytest.fixture(scope="module")
-def model(folder: Path) -> LoadedModel:
-    return load_model(folder, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(folder))
+folder, model, hf_tokenizer = text_model_fixtures("tiny-text")
 
 
 @pytest.fixture(scope="module")

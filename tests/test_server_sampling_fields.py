@@ -6,18 +6,17 @@ same parameters (tests/test_sampling_fields.py holds that to independent referen
 Hugging Face tokenizer's."""
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from engine_helpers import engine_for, llm_for
-from tiny_tokenizers import save_tiny_text_model
+from tiny_tokenizers import text_model_fixtures
 from tokenmill import LLM, SamplingParams
-from tokenmill.loading import LoadedModel, load_model
+from tokenmill.loading import LoadedModel
 from tokenmill.server import ServerSettings, ServerThread, create_app
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.sampling import chat_params, completion_params
@@ -28,19 +27,7 @@ CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "tell me a
 CACHE = {"kv_cache": "paged", "block_size": 4, "prefix_caching": True, "max_model_len": 256}
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_text_model(tmp_path_factory.mktemp("tiny-text-server"))
-
-
-@pytest.fixture(scope="module")
-def model(folder: Path) -> LoadedModel:
-    return load_model(folder, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(folder))
+folder, model, hf_tokenizer = text_model_fixtures("tiny-text-server")
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,15 @@ model, whose outputs are then readable strings rather than stray bytes."""
 
 import string
 from pathlib import Path
+from typing import Any
 
+import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RawTokenizer
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from tiny_models import VOCAB, save_tiny_model
+from tokenmill.loading import LoadedModel, load_model
 
 SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: the tiny configs' BOS 1 and EOS 2
 _CHARACTERS = string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,!?"
@@ -51,3 +54,23 @@ def save_tiny_text_model(folder: Path) -> Path:
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def text_model_fixtures(name: str) -> tuple[Any, Any, Any]:
+    """For ``folder, model, hf_tokenizer = text_model_fixtures(...)`` in a test module: module-scoped
+    fixtures of a tiny text model saved under ``name``, loaded by tokenmill (float32), and its tokenizer
+    by transformers."""
+
+    @pytest.fixture(scope="module")
+    def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return save_tiny_text_model(tmp_path_factory.mktemp(name))
+
+    @pytest.fixture(scope="module")
+    def model(folder: Path) -> LoadedModel:
+        return load_model(folder, dtype="float32")
+
+    @pytest.fixture(scope="module")
+    def hf_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+        return AutoTokenizer.from_pretrained(str(folder))
+
+    return folder, model, hf_tokenizer
