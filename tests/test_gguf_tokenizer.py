@@ -1,8 +1,10 @@
 """The GGUF tokenizer cache (``loading/gguf_tokenizer.py``) against transformers' own conversion of the
 file: converted once, read back with the same encodings, decodings, special tokens and chat template, and
-a damaged entry converted again."""
+a damaged entry converted again; and the properties of a conversion that transformers' versions broke, each
+against an independent reference (GPT-2's byte map, the file's own BOS key)."""
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -126,3 +128,32 @@ def test_other_decoders_are_left_alone() -> None:
     before = tokenizer.backend_tokenizer.decoder.__getstate__()
     plain_byte_level_decoder(tokenizer)
     assert tokenizer.backend_tokenizer.decoder.__getstate__() == before
+
+
+@pytest.fixture(scope="module")
+def gemma3_hf(gemma3_gguf_path: Path) -> Any:
+    return gguf_hf_tokenizer(gemma3_gguf_path)
+
+
+def test_a_bos_is_added_as_the_file_states(
+    smollm2_gguf_path: Path, gemma3_gguf_path: Path, gemma3_hf: Any
+) -> None:
+    """transformers' conversions disagree with the files on the BOS from version to version (4.x added one
+    to SmolLM2's, whose file refuses it; 5.18-5.20 none to Gemma 3's, whose file asks for it). The file's
+    ``tokenizer.ggml.add_bos_token`` is the reference."""
+    from copy import deepcopy
+
+    from tokenmill.loading.gguf_file import GGUFFile
+    from tokenmill.loading.gguf_tokenizer import bos_as_stated
+
+    smollm2_hf = gguf_hf_tokenizer(smollm2_gguf_path)
+    for path, tokenizer in [(smollm2_gguf_path, smollm2_hf), (gemma3_gguf_path, gemma3_hf)]:
+        stated = GGUFFile(path).metadata["tokenizer.ggml.add_bos_token"]
+        plain = tokenizer.encode("Hi", add_special_tokens=False)
+        assert tokenizer.encode("Hi") == [tokenizer.bos_token_id] * stated + plain, path.name
+    flipped = deepcopy(smollm2_hf)
+    flipped.add_bos_token = True  # as transformers 4.x converted it
+    bos = flipped.bos_token_id
+    assert flipped.encode("Hi")[:1] == [bos]
+    assert bos_as_stated(flipped, True).encode("Hi")[:1] == [bos]
+    assert bos_as_stated(flipped, False).encode("Hi") == smollm2_hf.encode("Hi", add_special_tokens=False)
