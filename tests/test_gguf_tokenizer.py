@@ -1,8 +1,11 @@
 """The GGUF tokenizer cache (``loading/gguf_tokenizer.py``) against transformers' own conversion of the
 file: converted once, read back with the same encodings, decodings, special tokens and chat template, and
-a damaged entry converted again."""
+a damaged entry converted again; and the properties of a conversion that transformers' versions broke, each
+against an independent reference (GPT-2's byte map, the file's own BOS key, a naive SentencePiece BPE)."""
 
+from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -126,3 +129,85 @@ def test_other_decoders_are_left_alone() -> None:
     before = tokenizer.backend_tokenizer.decoder.__getstate__()
     plain_byte_level_decoder(tokenizer)
     assert tokenizer.backend_tokenizer.decoder.__getstate__() == before
+
+
+GEMMA3_TEXTS = [
+    "user",
+    "Hello world",
+    "The capital of France is Paris.",
+    "Tokenization of unbelievable words, naturally!",
+    "机器学习 émoji 🤖",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma3_hf(gemma3_gguf_path: Path) -> Any:
+    return gguf_hf_tokenizer(gemma3_gguf_path)
+
+
+def test_a_bos_is_added_as_the_file_states(
+    smollm2_gguf_path: Path, gemma3_gguf_path: Path, gemma3_hf: Any
+) -> None:
+    """transformers' conversions disagree with the files on the BOS from version to version (4.x added one
+    to SmolLM2's, whose file refuses it; 5.18-5.20 none to Gemma 3's, whose file asks for it). The file's
+    ``tokenizer.ggml.add_bos_token`` is the reference."""
+    from copy import deepcopy
+
+    from tokenmill.loading.gguf_file import GGUFFile
+    from tokenmill.loading.gguf_tokenizer import bos_as_stated
+
+    smollm2_hf = gguf_hf_tokenizer(smollm2_gguf_path)
+    for path, tokenizer in [(smollm2_gguf_path, smollm2_hf), (gemma3_gguf_path, gemma3_hf)]:
+        stated = GGUFFile(path).metadata["tokenizer.ggml.add_bos_token"]
+        plain = tokenizer.encode("Hi", add_special_tokens=False)
+        assert tokenizer.encode("Hi") == [tokenizer.bos_token_id] * stated + plain, path.name
+    flipped = deepcopy(smollm2_hf)
+    flipped.add_bos_token = True  # as transformers 4.x converted it
+    bos = flipped.bos_token_id
+    assert flipped.encode("Hi")[:1] == [bos]
+    assert bos_as_stated(flipped, True).encode("Hi")[:1] == [bos]
+    assert bos_as_stated(flipped, False).encode("Hi") == smollm2_hf.encode("Hi", add_special_tokens=False)
+
+
+def test_gemma3_text_is_split_as_sentencepiece_bpe_merges_it(gemma3_gguf_path: Path, gemma3_hf: Any) -> None:
+    """Gemma 3's GGUF vocabulary is SentencePiece BPE: the pieces the model was trained on are the merges
+    its scores rank. transformers up to 5.17 converted it as Unigram ('user' -> 'us' 'er') and read
+    tokenmill's cached copy back as single characters; pyproject requires the first version that works."""
+    from tokenmill.loading.gguf_file import GGUFFile
+
+    metadata = GGUFFile(gemma3_gguf_path).metadata
+    tokens, scores = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.scores"]
+    normal_or_byte = {1, 6}  # llama.cpp token types that text is made of (no control or user-defined)
+    pieces = {
+        token: (token_id, scores[token_id])
+        for token_id, token in enumerate(tokens)
+        if metadata["tokenizer.ggml.token_type"][token_id] in normal_or_byte
+    }
+    for text in GEMMA3_TEXTS:
+        assert gemma3_hf.encode(text, add_special_tokens=False) == _sentencepiece_bpe(text, pieces), text
+    turn = "<start_of_turn>"
+    assert gemma3_hf.encode(turn, add_special_tokens=False) == [tokens.index(turn)]
+
+
+def _sentencepiece_bpe(text: str, pieces: dict[str, tuple[int, float]]) -> list[int]:
+    """llama.cpp's SentencePiece BPE, naively: spaces become '▁', the text starts as characters, and the
+    adjacent pair whose joined piece scores highest (the leftmost of equals) merges until none is a piece;
+    a character outside the vocabulary is its UTF-8 byte tokens."""
+    symbols = list(text.replace(" ", "\u2581"))
+    while True:
+        joinable = [
+            (pieces[left + right][1], -index)
+            for index, (left, right) in enumerate(pairwise(symbols))
+            if left + right in pieces
+        ]
+        if not joinable:
+            break
+        index = -max(joinable)[1]
+        symbols[index : index + 2] = [symbols[index] + symbols[index + 1]]
+    ids: list[int] = []
+    for symbol in symbols:
+        if symbol in pieces:
+            ids.append(pieces[symbol][0])
+        else:
+            ids.extend(pieces[f"<0x{byte:02X}>"][0] for byte in symbol.encode())
+    return ids

@@ -9,10 +9,14 @@ and modification time and by the transformers version that converted it; later l
 the converted one's (``tests/test_gguf_tokenizer.py``). Where the cache cannot be written the tokenizer is
 converted as before.
 
-transformers 5.17 converts a byte-level BPE (SmolLM2, Llama 3, Qwen) with sentencepiece steps wrapped
+transformers up to 5.17 converts a byte-level BPE (SmolLM2, Llama 3, Qwen) with sentencepiece steps wrapped
 around its ByteLevel decoder. Decoded text is the same, but the grammar engines of structured outputs learn
 how token strings map to bytes from the decoder's type, and took every 'Ġ' (a space) literally: masks
 refused every token that starts with a space. Such a decoder is replaced by ByteLevel alone.
+
+Whether the converted tokenizer puts a BOS before a text varies too (transformers 5.18-5.20 add none to
+Gemma 3's, whose file asks for one); the file's ``tokenizer.ggml.add_bos_token`` is made to hold, so the
+HF tokenizer that grammar backends read and that ``tokenmill quantize`` saves encodes as the model expects.
 """
 
 import hashlib
@@ -23,6 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tokenmill.loading.gguf_file import GGUFFile
 from tokenmill.user_cache import tokenmill_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -37,14 +42,18 @@ def gguf_hf_tokenizer(path: Path) -> Any:
     file was converted before."""
     from transformers import AutoTokenizer
 
+    add_bos = GGUFFile(path).metadata.get("tokenizer.ggml.add_bos_token")
+    add_bos = add_bos if isinstance(add_bos, bool) else None
     folder = _cached_folder(path)
     if folder is not None and folder.is_dir():
         try:
-            return plain_byte_level_decoder(AutoTokenizer.from_pretrained(folder))
+            cached = plain_byte_level_decoder(AutoTokenizer.from_pretrained(folder))
+            return bos_as_stated(cached, add_bos)
         except Exception as exc:  # a damaged entry: converted again, and replaced
             logger.warning("cached tokenizer %s unreadable (%s); converting %s again", folder, exc, path.name)
             shutil.rmtree(folder, ignore_errors=True)
-    tokenizer = plain_byte_level_decoder(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
+    converted = plain_byte_level_decoder(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
+    tokenizer = bos_as_stated(converted, add_bos)
     if folder is not None:
         _save(tokenizer, folder)
     return tokenizer
@@ -70,6 +79,18 @@ def plain_byte_level_decoder(tokenizer: Any) -> Any:
         and steps[-1].get("type") == "ByteLevel"
     ):
         backend.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def bos_as_stated(tokenizer: Any, add_bos: bool | None) -> Any:
+    """``tokenizer`` putting a BOS before every encoded text exactly when ``add_bos`` says so (None: as
+    it does already); changed in place through transformers' ``add_bos_token``, returned for chaining."""
+    bos = tokenizer.bos_token_id
+    if add_bos is None or bos is None:
+        return tokenizer
+    adds_bos = tokenizer.encode("Hello", add_special_tokens=True)[:1] == [bos]
+    if adds_bos != add_bos:
+        tokenizer.add_bos_token = add_bos
     return tokenizer
 
 
