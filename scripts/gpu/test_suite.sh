@@ -2,7 +2,9 @@
 # The whole test suite on a lent GPU host (the device tool's machines). One call carries at most 64 MiB
 # with the tree and the default model's GGUF is ~94 MiB, so its pieces travel in several calls to a warm
 # machine. Here, first: bash ../shared/device/wheels.sh xgrammar apache-tvm-ffi jsonschema
-# jsonschema-specifications referencing rpds-py attrs pytest-xdist execnet (the tests' extras), and
+# jsonschema-specifications referencing rpds-py attrs pytest-xdist execnet transformers huggingface-hub
+# (the tests' extras, and a transformers at least pyproject's bound: the H200 host has 5.17, whose GGUF
+# conversion of Gemma 3's tokenizer is wrong), and
 #   mkdir -p .devrun/parts && split -b 45000000 "$(python -c 'from tokenmill.loading.default_model import
 #   default_model_path as p; print(p())')" .devrun/parts/smolpart.
 # Then, one call each (carry what the call needs; .devrun/ is git-ignored):
