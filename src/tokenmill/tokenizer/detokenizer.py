@@ -45,9 +45,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._joins_added_tokens = not (skip_special_tokens or spaces_between_special_tokens)
-        self._last_was_added = (
-            False  # of the output tokens (a prompt's last token does not count, as in vLLM)
-        )
+        # Whether the last output token was an added one (a prompt's last token does not count, as in vLLM).
+        self._last_was_added = False
         self._window = self._prompt_context(self._kept(prompt_ids))
         self._read_offset = len(self._window)  # _window[:_read_offset] is context, the rest is pending
         self._context_text = self._decode(self._window)
