@@ -2,8 +2,10 @@
 
 import argparse
 import json
+import os
 import random
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -267,6 +269,27 @@ def test_provenance_without_git_or_a_checkout_says_unknown(
     assert report.provenance("a machine").commit == "unknown"
     monkeypatch.setenv("TOKENMILL_COMMIT", "abc1234")  # a shipped copy of the tree names its commit
     assert report.provenance("a machine").commit == "abc1234"
+
+
+def test_kernels_benchmark_stamps_its_output_and_json(tmp_path: Path) -> None:
+    """`bench kernels` (its smoke shapes, in the interpreter) prints the provenance header and keeps it
+    in its JSON, as every other benchmark's report does."""
+    out_json = tmp_path / "kernels.json"
+    argv = ["--device", "cpu", "--smoke", "--dtype", "float32", "--only", "silu", "--no-gemv"]
+    argv += ["--no-sampler", "--no-model", "--json", str(out_json)]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "tokenmill.benchmarks.kernels", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("- commit: ") and "\n- machine: " in run.stdout
+    stamp = json.loads(out_json.read_text())["provenance"]
+    assert "tokenmill.benchmarks.kernels --device cpu --smoke" in stamp["command"]
+    assert stamp["commit"] and stamp["date"] and "cpu" in stamp["machine"]
 
 
 # -- latency and throughput --------------------------------------------------------------------------------

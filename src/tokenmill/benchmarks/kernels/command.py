@@ -39,6 +39,7 @@ from tokenmill.benchmarks.kernels.cases import format_rows, run_all
 from tokenmill.benchmarks.kernels.elementwise import elementwise_cases
 from tokenmill.benchmarks.kernels.shapes import FULL, QUICK, SMOKE, ModelShape, Sizes
 from tokenmill.benchmarks.kernels.timing import Timer, copy_bandwidth
+from tokenmill.benchmarks.report import detect_hardware, provenance
 from tokenmill.engine.hardware_defaults import resolve_device
 from tokenmill.kernels import triton_available
 
@@ -55,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
     shape = ModelShape()
     timer = Timer(device, args.warmup_ms, args.rep_ms)
-    print(_header(device, dtype, shape), flush=True)
+    origin = provenance(detect_hardware(device))
+    print(origin.markdown() + _header(device, dtype, shape), flush=True)
     copy_bytes_per_s = copy_bandwidth(timer, device, COPY_BYTES if not args.smoke else 1 << 20)
     print(f"- device-to-device copy: {copy_bytes_per_s / 1e9:.0f} GB/s (read + write)", flush=True)
     cases = elementwise_cases(shape, sizes, dtype, device)
@@ -76,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         rows += sweep_rows
     if args.json is not None:
         payload = {
+            "provenance": origin.to_json(),
             "copy_bytes_per_s": copy_bytes_per_s,
             "dtype": args.dtype,
             "rows": [asdict(r) for r in rows],
