@@ -20,6 +20,8 @@ from tokenmill.runner.sampler import (
     compute_prompt_logprobs,
     top_k_values,
 )
+from tokenmill.runner.sampler.filters import filter_sorted
+from tokenmill.runner.sampler.inverse_cdf import inverse_cdf_draw
 from tokenmill.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -187,6 +189,69 @@ def test_seeded_rows_follow_the_target_distribution(device: torch.device) -> Non
     rows = [SamplingRow(SamplingParams(seed=seed, **case)) for seed in range(5000)]
     logits = torch.tensor([SMALL_LOGITS], device=device).expand(len(rows), -1)
     assert_matches_distribution(sample(logits, rows).token_ids, reference_probs(SMALL_LOGITS, **case))
+
+
+# ---- the inverse-CDF draw ---------------------------------------------------------------------------------
+
+
+def _naive_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
+    """Per row: the first token whose float64 running sum exceeds ``u`` times the row's total."""
+    picked = []
+    for row, u in zip(weights.double().tolist(), uniforms.tolist(), strict=True):
+        total, target, running = math.fsum(row), u * math.fsum(row), 0.0
+        assert total > 0
+        for token, weight in enumerate(row):
+            running += weight
+            if running > target and weight > 0:
+                picked.append(token)
+                break
+    return picked
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 2500, 5000])
+def test_inverse_cdf_draw_matches_a_naive_running_sum(vocab: int, device: torch.device) -> None:
+    """Rows over one or several chunks (a padded last chunk included), with runs of zero weights and
+    whole chunks of zeros, against a token-by-token float64 running sum."""
+    generator = torch.Generator().manual_seed(vocab)
+    weights = torch.rand(64, vocab, generator=generator) ** 6
+    weights[:, torch.rand(vocab, generator=generator) < 0.3] = 0.0
+    weights[::4, : vocab // 2] = 0.0  # the first half empty (whole chunks at the larger vocabularies)
+    weights[1::4, vocab // 2 :] = 0.0
+    weights[:, -1] += 1e-3  # every row keeps some weight
+    uniforms = torch.rand(64, dtype=torch.float64, generator=generator)
+    drawn = inverse_cdf_draw(weights.to(device), uniforms.to(device))
+    assert drawn.tolist() == _naive_inverse_cdf(weights, uniforms)
+
+
+def test_inverse_cdf_draw_never_picks_a_zero_weight() -> None:
+    """At the ends of [0, 1) and with zeros at both ends of the row and across a chunk boundary."""
+    weights = torch.zeros(3, 3000)
+    weights[0, 5] = weights[0, 2047] = 1.0
+    weights[1, 1023] = 1e-30
+    weights[2, 1024:2048] = 0.5
+    for u in (0.0, 1e-300, 0.5, 1.0 - 2.0**-53):
+        drawn = inverse_cdf_draw(weights, torch.full((3,), u, dtype=torch.float64))
+        assert all(weights[row, token] > 0 for row, token in enumerate(drawn.tolist())), (u, drawn)
+
+
+def test_inverse_cdf_frequencies_over_several_chunks(device: torch.device) -> None:
+    """Chi-square of many draws from one 3,000-token distribution (three chunks, the last padded)."""
+    generator = torch.Generator().manual_seed(7)
+    weights = torch.rand(3000, generator=generator) ** 8
+    weights[::3] = 0.0
+    big = weights.clone()
+    big[:40] *= 400.0  # a few tokens hold most of the mass, the tail still counts
+    probs = big / big.sum()
+    tokens = inverse_cdf_draw(big.expand(NUM_DRAWS, -1).to(device), torch.rand(NUM_DRAWS, dtype=torch.float64))
+    counts = torch.bincount(tokens.cpu(), minlength=3000).double()
+    assert counts[probs == 0].sum() == 0
+    expected = probs.double() * NUM_DRAWS
+    frequent = expected >= 5  # chi-square's usual validity rule; the rest pooled into one bin
+    observed = torch.cat([counts[frequent], counts[~frequent].sum().view(1)])
+    wanted = torch.cat([expected[frequent], expected[~frequent].sum().view(1)])
+    chi2 = ((observed - wanted) ** 2 / wanted).sum().item()
+    dof = len(observed) - 1
+    assert chi2 < dof + CHI2_Z * math.sqrt(2 * dof), (chi2, dof)
 
 
 # ---- greedy -----------------------------------------------------------------------------------------------
@@ -411,6 +476,54 @@ def test_seeded_request_does_not_depend_on_the_batch(filters: dict[str, Any], de
     assert run_seeded_request(device, params, seeded_logits, position=3, others=9) == alone
     other_seed = run_seeded_request(device, _with(params, seed=43), seeded_logits, position=0, others=0)
     assert other_seed != alone
+
+
+TOP_P_ROWS = [
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 0.7, "top_p": 0.5, "top_k": 40},
+    {"temperature": 1.3, "top_p": 0.95, "min_p": 0.01},
+    {"temperature": 1.0, "top_p": 0.999},
+    {"temperature": 1.0},  # top-p off, beside rows with it
+]
+MASS_TOLERANCE = 1e-5  # float32 running sums: a token this close to the cut may fall either side
+
+
+def _naive_top_p_masses(row: list[float], params: SamplingParams) -> list[tuple[float, bool]]:
+    """Per token: the float64 probability mass ahead of it (top-k applied, the row in descending order,
+    ties in id order; inf for tokens top-k drops), and whether min-p keeps it."""
+    order = sorted(range(len(row)), key=lambda token: (-row[token], token))
+    kth = row[order[params.top_k - 1]] if params.top_k > 0 else -math.inf
+    weights = [math.exp(row[t] - row[order[0]]) if row[t] >= kth else 0.0 for t in range(len(row))]
+    total, ahead, masses = math.fsum(weights), 0.0, [math.inf] * len(row)
+    for token in order:
+        if weights[token] > 0:
+            masses[token] = ahead / total
+        ahead += weights[token]
+    floor = row[order[0]] + math.log(params.min_p) if params.min_p > 0 else -math.inf
+    return [(mass, row[t] >= floor) for t, mass in enumerate(masses)]
+
+
+@pytest.mark.parametrize("spread", [0.5, 4.0], ids=["flat", "peaked"])
+def test_cpu_top_p_keeps_what_a_naive_sorted_sum_keeps(spread: float) -> None:
+    """The CPU's top-p over a row's largest logits against a float64 walk of the row in order: flat rows
+    whose cut lies past the first candidates, peaked rows, and ties across the cut (kept in id order).
+    Only tokens within float32 rounding of the cut may differ; the sorting filter (the GPU's) is held to
+    the same reference."""
+    generator = torch.Generator().manual_seed(int(spread * 10))
+    logits = torch.randn(40, 5000, generator=generator) * spread
+    logits[::5, 300:340] = logits[::5].amax(dim=-1, keepdim=True) + 0.3  # 40 tokens tied at the top
+    logits[1::5] = (logits[1::5] * 4).round() / 4  # many ties everywhere
+    params = [SamplingParams(**TOP_P_ROWS[i % len(TOP_P_ROWS)]) for i in range(40)]
+    batch = SamplingBatch.build([SamplingRow(p) for p in params], 5000, torch.device("cpu"))
+    scaled = logits / batch.require_draw().temperature.unsqueeze(1)
+    for kept in (apply_top_k_top_p_min_p(scaled, batch), filter_sorted(scaled, batch)):
+        for row, row_params in enumerate(params):
+            top_p = row_params.top_p if row_params.top_p < 1 else math.inf
+            reference = _naive_top_p_masses(scaled[row].tolist(), row_params)
+            for token, ((mass, min_p_keeps), finite) in enumerate(zip(reference, kept[row].isfinite().tolist())):
+                if abs(mass - top_p) > MASS_TOLERANCE:
+                    assert finite == (mass < top_p and min_p_keeps), (row, token, mass)
+    assert 40 == int(torch.isfinite(apply_top_k_top_p_min_p(scaled, batch))[0, 300:340].sum())
 
 
 def test_filter_paths_agree_bitwise(device: torch.device) -> None:

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.runner.sampler import SamplingBatch, apply_penalties, apply_top_k_top_p_min_p
-
-_MIN_NOISE = 1e-20  # Exp(1) noise of exactly 0 would make ``probs / noise`` inf or NaN
+from tokenmill.runner.sampler.inverse_cdf import inverse_cdf_draw, row_uniforms
 
 
 @dataclass
@@ -54,14 +53,15 @@ def sample_rows(dist: Distributions, noise: "RowNoise") -> torch.Tensor:
     argmax = dist.processed.argmax(dim=-1)
     if dist.probs is None:
         return argmax
-    drawn = (dist.probs / noise.exponential(dist.probs)).argmax(dim=-1)
+    drawn = inverse_cdf_draw(dist.probs, noise.draws(len(argmax), argmax.device))
     assert dist.greedy is not None
     return torch.where(dist.greedy, argmax, drawn)
 
 
 class RowNoise:
-    """Uniform and Exp(1) noise per row; seeded rows draw theirs from their own generator (keyed by
-    ``(seed, step)``), so a seeded request repeats whatever else is in the batch."""
+    """Uniform numbers per row, for draws and for acceptance tests (two streams); seeded rows draw theirs
+    from their own generator (keyed by ``(seed, step)``), so a seeded request repeats whatever else is in
+    the batch."""
 
     def __init__(self, seeded_rows: Sequence[tuple[int, int]]) -> None:
         self.seeded_rows = seeded_rows
@@ -74,16 +74,14 @@ class RowNoise:
             out.append((row, generator))
         return out
 
-    def exponential(self, like: torch.Tensor) -> torch.Tensor:
-        noise = torch.empty_like(like).exponential_()
-        for row, generator in self._generators(like.device):
-            noise[row].exponential_(generator=generator)
-        return noise.clamp_min_(_MIN_NOISE)
+    def draws(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """float64 uniforms for inverse-CDF draws (the plain steps' stream)."""
+        return row_uniforms(num_rows, self.seeded_rows, device)
 
     def uniform(self, num_rows: int, device: torch.device) -> torch.Tensor:
         values = torch.rand(num_rows, device=device)
         for row, generator in self._generators(device):
-            # a different stream from the exponential draw's: offset the key
+            # a different stream from the draws': offset the key
             generator.manual_seed(generator.initial_seed() ^ 0x5BD1E995)
             values[row] = torch.rand((), generator=generator, device=device)
         return values
@@ -117,7 +115,7 @@ def verify(
     residual = torch.where(empty, probs, residual)
     uniform = noise.uniform(len(draft_ids), draft_ids.device)
     sampled_accept = has_draft & (uniform * q_draft < p_draft)
-    recovered = (residual / noise.exponential(residual)).argmax(dim=-1)
+    recovered = inverse_cdf_draw(residual, noise.draws(len(draft_ids), draft_ids.device))
     assert target.greedy is not None
     accept = torch.where(target.greedy, greedy_accept, sampled_accept)
     fallback = torch.where(target.greedy, argmax, recovered)

@@ -1,8 +1,8 @@
-"""The PyTorch draw: filtered softmax over Exp(1) noise, argmax.
+"""The PyTorch draw: filtered softmax, then one uniform number per row through its running sum.
 
-``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. per token is an exact sample from ``probs`` and needs no
-``torch.multinomial`` (which reads a device value back). Seeded rows draw their noise from their own
-generator, keyed by ``seed_for_step``, so their samples do not depend on the rest of the batch.
+The inverse-CDF draw (:mod:`.inverse_cdf`) is exact and needs no ``torch.multinomial`` (which reads a
+device value back). Seeded rows draw their number from their own generator, keyed by ``seed_for_step``,
+so their samples do not depend on the rest of the batch.
 """
 
 from collections.abc import Callable
@@ -12,9 +12,7 @@ import torch
 
 from tokenmill.runner.sampler.batch import DrawParams, SamplingBatch
 from tokenmill.runner.sampler.filters import apply_top_k_top_p_min_p
-
-# Exponential noise of exactly 0 would make ``probs / noise`` inf or NaN; clamping changes nothing else.
-_MIN_NOISE = 1e-20
+from tokenmill.runner.sampler.inverse_cdf import inverse_cdf_draw, row_uniforms
 
 # A draw: penalised float32 ``[B, V]`` logits, their batch and its draw params to ``[B]`` int64 token ids.
 DrawFn: TypeAlias = Callable[[torch.Tensor, SamplingBatch, DrawParams], torch.Tensor]
@@ -26,12 +24,12 @@ MaskFn: TypeAlias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def torch_draw(logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> torch.Tensor:
-    """The PyTorch draw: filtered softmax over Exp(1) noise, argmax; greedy rows take the plain argmax."""
+    """The PyTorch draw: filtered softmax, inverse-CDF draw; greedy rows take the plain argmax."""
     scaled = logits / draw.temperature.unsqueeze(1)
     if batch.needs_filtering:
         scaled = apply_top_k_top_p_min_p(scaled, batch)
     probs = torch.softmax(scaled, dim=-1)
-    token_ids = probs.div_(_exponential_noise(probs, draw)).argmax(dim=-1)
+    token_ids = inverse_cdf_draw(probs, row_uniforms(len(probs), draw.seeded_rows, probs.device))
     if batch.any_greedy:
         token_ids = torch.where(draw.greedy, logits.argmax(dim=-1), token_ids)
     return token_ids
@@ -40,15 +38,3 @@ def torch_draw(logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> 
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
-
-def _exponential_noise(probs: torch.Tensor, draw: DrawParams) -> torch.Tensor:
-    """Exp(1) noise per token; seeded rows draw theirs from their own generator, so their samples do not
-    depend on the rest of the batch."""
-    noise = torch.empty_like(probs)
-    if len(draw.seeded_rows) < probs.shape[0]:
-        noise.exponential_()
-    for row, key in draw.seeded_rows:
-        generator = torch.Generator(device=probs.device)
-        generator.manual_seed(key)
-        noise[row].exponential_(generator=generator)
-    return noise.clamp_min_(_MIN_NOISE)

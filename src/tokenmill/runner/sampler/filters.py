@@ -10,6 +10,8 @@ from tokenmill.runner.sampler.batch import DrawParams, SamplingBatch
 # Top-k of few rows runs in two rounds over about this many row slices, each at least this many times k.
 _TOP_K_MIN_SLICES = 256
 _TOP_K_MIN_CHUNK_PER_K = 4
+# Top-p on the CPU first looks for its cut among this many of a row's largest logits.
+_TOP_P_CANDIDATES = 1024
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -19,14 +21,18 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     the shortest prefix of the sorted row whose probability reaches p; min-p the tokens with probability
     >= min_p * max, i.e. logit >= max logit + log(min_p). Only top-p needs a sort (one per step); without
     it, top-k needs just a ``topk``. Both paths give the same bits for a row, so a seeded row's samples
-    do not depend on which path the rest of the batch selects.
+    do not depend on which path the rest of the batch selects. On the CPU, where a sort of the vocabulary
+    costs more than the forward of a small model, top-p reads the row's largest logits instead
+    (:func:`_top_p_from_candidates`).
     """
-    if batch.any_top_p:
+    if batch.any_top_p and logits.device.type != "cpu":
         return filter_sorted(logits, batch)
     draw = batch.require_draw()
     if batch.any_top_k:
         kth_largest = _kth_largest(top_k_values(logits, batch.max_top_k), batch, draw)
         logits = logits.masked_fill(logits < kth_largest, -math.inf)
+    if batch.any_top_p:
+        logits = _top_p_from_candidates(logits, draw.top_p)
     if batch.any_min_p:
         logits = logits.masked_fill(
             logits < _min_p_threshold(logits.amax(dim=-1, keepdim=True), draw), -math.inf
@@ -48,6 +54,29 @@ def filter_sorted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         threshold = _min_p_threshold(sorted_logits[:, :1], draw)
         sorted_logits.masked_fill_(sorted_logits < threshold, -math.inf)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _top_p_from_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p as :func:`filter_sorted` applies it (the shortest prefix of the row in descending order,
+    ties in id order, whose probability reaches p), found among each row's ``_TOP_P_CANDIDATES`` largest
+    logits; only where those do not reach p is the whole row read in order. A host sync: CPU only."""
+    vocab = logits.shape[1]
+    normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    enabled = (top_p <= 1.0).unsqueeze(1)
+    for width in sorted({min(_TOP_P_CANDIDATES, vocab), vocab}):
+        largest = logits.topk(width, dim=-1).values  # descending
+        probs = (largest - normalizer).exp_()
+        mass_before = probs.cumsum(dim=-1).sub_(probs)
+        kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)
+        if width == vocab or bool(((kept < width) | ~enabled).all()):
+            break
+    last_kept = largest.gather(1, kept - 1)
+    keep = logits > last_kept
+    tied = logits == last_kept
+    tied_kept = kept - keep.sum(dim=-1, keepdim=True)  # of the tokens tied with the last one kept
+    if bool((tied.sum(dim=-1, keepdim=True) > tied_kept).any()):  # keep the lowest ids, as a stable sort
+        tied &= tied.cumsum(dim=-1) <= tied_kept
+    return logits.masked_fill(~((keep | tied) | ~enabled), -math.inf)
 
 
 def scaled_logit_floor(logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> torch.Tensor:

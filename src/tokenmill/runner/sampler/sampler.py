@@ -26,8 +26,9 @@ class Sampler:
     tokens, repetition penalty (HF: over prompt and output tokens, positive
     logits divided by it, negative ones multiplied), presence / frequency penalties (OpenAI: over output
     tokens), argmax for greedy rows; for the others temperature, top-k, top-p, min-p, then a sample drawn
-    as ``argmax(probs / Exp(1) noise)``, which is exact and needs no ``torch.multinomial`` sync. A batch
-    of greedy rows only is one ``argmax`` (plus the edits its rows ask for).
+    by one uniform number per row through the running sum of its probabilities (:mod:`.inverse_cdf`),
+    which is exact and needs no ``torch.multinomial`` sync. A batch of greedy rows only is one ``argmax``
+    (plus the edits its rows ask for).
 
     ``fused`` (``EngineConfig.fused_sampling``) draws with ``tokenmill.kernels.sampling`` instead:
     temperature, the top-k / min-p floor and the Gumbel-max draw in one pass over the logits, the same
