@@ -20,6 +20,7 @@ from tokenmill.runner.sampler import (
     compute_prompt_logprobs,
     top_k_values,
 )
+from tokenmill.runner.sampler import filters
 from tokenmill.runner.sampler.filters import filter_sorted
 from tokenmill.runner.sampler.inverse_cdf import inverse_cdf_draw
 from tokenmill.sampling_params import SamplingParams
@@ -503,12 +504,17 @@ def _naive_top_p_masses(row: list[float], params: SamplingParams) -> list[tuple[
     return [(mass, row[t] >= floor) for t, mass in enumerate(masses)]
 
 
+@pytest.mark.parametrize("candidates", [None, (64, 512)], ids=["default-widths", "three-levels"])
 @pytest.mark.parametrize("spread", [0.5, 4.0], ids=["flat", "peaked"])
-def test_cpu_top_p_keeps_what_a_naive_sorted_sum_keeps(spread: float) -> None:
+def test_cpu_top_p_keeps_what_a_naive_sorted_sum_keeps(
+    spread: float, candidates: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The CPU's top-p over a row's largest logits against a float64 walk of the row in order: flat rows
-    whose cut lies past the first candidates, peaked rows, and ties across the cut (kept in id order).
-    Only tokens within float32 rounding of the cut may differ; the sorting filter (the GPU's) is held to
-    the same reference."""
+    whose cut lies past the first candidates (with narrow widths: past the second too), peaked rows, and
+    ties across the cut (kept in id order). Only tokens within float32 rounding of the cut may differ; the
+    sorting filter (the GPU's) is held to the same reference."""
+    if candidates is not None:
+        monkeypatch.setattr(filters, "_TOP_P_CANDIDATES", candidates)
     generator = torch.Generator().manual_seed(int(spread * 10))
     logits = torch.randn(40, 5000, generator=generator) * spread
     logits[::5, 300:340] = logits[::5].amax(dim=-1, keepdim=True) + 0.3  # 40 tokens tied at the top

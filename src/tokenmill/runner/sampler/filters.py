@@ -10,8 +10,9 @@ from tokenmill.runner.sampler.batch import DrawParams, SamplingBatch
 # Top-k of few rows runs in two rounds over about this many row slices, each at least this many times k.
 _TOP_K_MIN_SLICES = 256
 _TOP_K_MIN_CHUNK_PER_K = 4
-# Top-p on the CPU first looks for its cut among this many of a row's largest logits.
-_TOP_P_CANDIDATES = 1024
+# Top-p on the CPU looks for its cut among this many of a row's largest logits, then among this many
+# more where the cut lies deeper (a hot temperature), and only then sorts the row.
+_TOP_P_CANDIDATES = (1024, 16384)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -58,25 +59,37 @@ def filter_sorted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def _top_p_from_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-p as :func:`filter_sorted` applies it (the shortest prefix of the row in descending order,
-    ties in id order, whose probability reaches p), found among each row's ``_TOP_P_CANDIDATES`` largest
-    logits; only where those do not reach p is the whole row read in order. A host sync: CPU only."""
-    vocab = logits.shape[1]
+    ties in id order, whose probability reaches p), found among each row's largest logits
+    (``_TOP_P_CANDIDATES``); only rows whose cut lies past those are sorted whole. A host sync: CPU only."""
     normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
     enabled = (top_p <= 1.0).unsqueeze(1)
-    for width in sorted({min(_TOP_P_CANDIDATES, vocab), vocab}):
-        largest = logits.topk(width, dim=-1).values  # descending
-        probs = (largest - normalizer).exp_()
-        mass_before = probs.cumsum(dim=-1).sub_(probs)
-        kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)
-        if width == vocab or bool(((kept < width) | ~enabled).all()):
+    vocab = logits.shape[1]
+    width = min(_TOP_P_CANDIDATES[0], vocab)
+    kept, last_kept = _top_p_cut(logits.topk(width, dim=-1).values, normalizer, top_p)
+    for wider in [*(w for w in _TOP_P_CANDIDATES[1:] if w < vocab), vocab]:
+        deeper = ((kept == width) & enabled).squeeze(1).nonzero().squeeze(1)
+        if width == vocab or len(deeper) == 0:
             break
-    last_kept = largest.gather(1, kept - 1)
+        rows = logits[deeper]
+        largest = rows.sort(dim=-1, descending=True).values if wider == vocab else rows.topk(wider).values
+        kept[deeper], last_kept[deeper] = _top_p_cut(largest, normalizer[deeper], top_p[deeper])
+        width = wider
     keep = logits > last_kept
     tied = logits == last_kept
     tied_kept = kept - keep.sum(dim=-1, keepdim=True)  # of the tokens tied with the last one kept
     if bool((tied.sum(dim=-1, keepdim=True) > tied_kept).any()):  # keep the lowest ids, as a stable sort
         tied &= tied.cumsum(dim=-1) <= tied_kept
     return logits.masked_fill(~((keep | tied) | ~enabled), -math.inf)
+
+
+def _top_p_cut(
+    descending: torch.Tensor, normalizer: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, 1]`` each: how many of a row's ``descending`` logits top-p keeps, and the last kept one."""
+    probs = (descending - normalizer).exp_()
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)
+    return kept, descending.gather(1, kept - 1)
 
 
 def scaled_logit_floor(logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> torch.Tensor:
