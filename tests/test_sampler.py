@@ -243,7 +243,8 @@ def test_inverse_cdf_frequencies_over_several_chunks(device: torch.device) -> No
     big = weights.clone()
     big[:40] *= 400.0  # a few tokens hold most of the mass, the tail still counts
     probs = big / big.sum()
-    tokens = inverse_cdf_draw(big.expand(NUM_DRAWS, -1).to(device), torch.rand(NUM_DRAWS, dtype=torch.float64))
+    uniforms = torch.rand(NUM_DRAWS, dtype=torch.float64, device=device)
+    tokens = inverse_cdf_draw(big.expand(NUM_DRAWS, -1).to(device), uniforms)
     counts = torch.bincount(tokens.cpu(), minlength=3000).double()
     assert counts[probs == 0].sum() == 0
     expected = probs.double() * NUM_DRAWS
