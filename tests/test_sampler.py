@@ -18,9 +18,9 @@ from tokenmill.runner.sampler import (
     apply_penalties,
     apply_top_k_top_p_min_p,
     compute_prompt_logprobs,
+    filters,
     top_k_values,
 )
-from tokenmill.runner.sampler import filters
 from tokenmill.runner.sampler.filters import filter_sorted
 from tokenmill.runner.sampler.inverse_cdf import inverse_cdf_draw
 from tokenmill.sampling_params import SamplingParams
@@ -527,10 +527,11 @@ def test_cpu_top_p_keeps_what_a_naive_sorted_sum_keeps(
         for row, row_params in enumerate(params):
             top_p = row_params.top_p if row_params.top_p < 1 else math.inf
             reference = _naive_top_p_masses(scaled[row].tolist(), row_params)
-            for token, ((mass, min_p_keeps), finite) in enumerate(zip(reference, kept[row].isfinite().tolist())):
+            finite_row = kept[row].isfinite().tolist()
+            for token, ((mass, min_p_keeps), finite) in enumerate(zip(reference, finite_row, strict=True)):
                 if abs(mass - top_p) > MASS_TOLERANCE:
                     assert finite == (mass < top_p and min_p_keeps), (row, token, mass)
-    assert 40 == int(torch.isfinite(apply_top_k_top_p_min_p(scaled, batch))[0, 300:340].sum())
+    assert int(torch.isfinite(apply_top_k_top_p_min_p(scaled, batch))[0, 300:340].sum()) == 40
 
 
 def test_filter_paths_agree_bitwise(device: torch.device) -> None:
@@ -667,6 +668,32 @@ def test_fused_draw_keeps_only_what_the_pytorch_filters_keep(fused_device: torch
         tokens = sample(logits, rows, fused=True).token_ids
         assert kept.gather(1, tokens.unsqueeze(1)).all()
         assert torch.equal(tokens[3::4], logits[3::4].argmax(dim=-1))
+
+
+def test_fused_top_p_draws_only_inside_the_top_p_set(fused_device: torch.device) -> None:
+    """The rejecting top-p kernel over rows of several tiles: flat rows and low p (most first draws fall
+    outside the set and are drawn again), ties across the cut, top-k and min-p beside top-p; every token
+    drawn is one a float64 walk of the sorted row keeps (tokens within rounding of the cut excepted)."""
+    vocab = 5000
+    generator = torch.Generator().manual_seed(21)
+    logits = torch.randn(8, vocab, generator=generator) * 0.5
+    logits[1::4, 2000:2100] = logits[1::4].amax(dim=-1, keepdim=True)  # 100 tied at the top
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.05),
+        SamplingParams(temperature=0.8, top_p=0.3, seed=3),
+        SamplingParams(temperature=1.2, top_p=0.2, top_k=300, min_p=0.5),
+        SamplingParams(temperature=0.0, top_p=0.5),
+    ] * 2
+    rows = [SamplingRow(p) for p in params]
+    for _ in range(2):
+        tokens = sample(logits.to(fused_device), rows, fused=True).token_ids.tolist()
+        for row, (token, row_params) in enumerate(zip(tokens, params, strict=True)):
+            if row_params.is_greedy:
+                assert token == int(logits[row].argmax())
+                continue
+            scaled = (logits[row] / row_params.temperature).tolist()
+            mass, min_p_keeps = _naive_top_p_masses(scaled, row_params)[token]
+            assert min_p_keeps and mass < row_params.top_p + MASS_TOLERANCE, (row, token, mass)
 
 
 def test_fused_greedy_ties_go_to_the_lowest_id(fused_device: torch.device) -> None:

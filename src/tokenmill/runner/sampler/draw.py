@@ -37,4 +37,3 @@ def torch_draw(logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> 
 
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
-

@@ -97,14 +97,22 @@ def scaled_logit_floor(logits: torch.Tensor, batch: SamplingBatch, draw: DrawPar
 
     Dividing by a positive temperature keeps the order, so the k-th largest scaled logit is the k-th
     largest logit, scaled; min-p keeps ``scaled >= max(scaled) + log(min_p)``."""
-    temperature = draw.temperature
-    floor = torch.full_like(temperature, -math.inf)
+    return logit_floors(logits, batch, draw)[1]
+
+
+def logit_floors(
+    logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B]`` each: top-k's floor alone (what top-p's probabilities are taken over) and the floor of
+    top-k and min-p together, as :func:`scaled_logit_floor`; -inf where off."""
+    top_k_floor = torch.full_like(draw.temperature, -math.inf)
     if batch.any_top_k:
         kth_largest = _kth_largest(top_k_values(logits, batch.max_top_k), batch, draw).squeeze(1)
-        floor = kth_largest / temperature
-    if batch.any_min_p:
-        floor = torch.maximum(floor, logits.amax(dim=-1) / temperature + draw.log_min_p)
-    return floor
+        top_k_floor = kth_largest / draw.temperature
+    if not batch.any_min_p:
+        return top_k_floor, top_k_floor
+    min_p_floor = logits.amax(dim=-1) / draw.temperature + draw.log_min_p
+    return top_k_floor, torch.maximum(top_k_floor, min_p_floor)
 
 
 def top_k_values(logits: torch.Tensor, k: int) -> torch.Tensor:
