@@ -696,6 +696,35 @@ def test_fused_top_p_draws_only_inside_the_top_p_set(fused_device: torch.device)
             assert min_p_keeps and mass < row_params.top_p + MASS_TOLERANCE, (row, token, mass)
 
 
+@pytest.mark.parametrize("vocab", [300, 3000])
+def test_top_p_kernel_draws_what_sorting_then_drawing_draws(
+    vocab: int, fused_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rejecting top-p kernel and the sorting filter followed by the Gumbel-max draw, on the same rows
+    and seeds, give the same tokens: the engine picks one or the other by batch size, and a seeded
+    request must not depend on its batch."""
+    from tokenmill.runner.sampler import fused
+
+    generator = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(24, vocab, generator=generator) * 1.5).to(fused_device)
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.3, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.3, top_p=0.6, top_k=40, seed=2),
+        SamplingParams(temperature=0.9, top_p=0.8, min_p=0.05),
+        SamplingParams(temperature=1.1, top_k=20),
+        SamplingParams(temperature=0.0, top_p=0.5),
+    ] * 4
+    rows = [SamplingRow(p) for p in params]
+    drawn = {}
+    for name, min_rows in (("kernel", 1), ("sorting", 10**9)):
+        monkeypatch.setattr(fused, "TOP_P_KERNEL_MIN_ROWS", min_rows)
+        torch.manual_seed(5)  # the unseeded rows' noise keys
+        drawn[name] = sample(logits, rows, fused=True).token_ids.tolist()
+    assert drawn["kernel"] == drawn["sorting"]
+    assert len(set(drawn["kernel"])) > 6
+
+
 def test_fused_greedy_ties_go_to_the_lowest_id(fused_device: torch.device) -> None:
     """Greedy rows beside a sampled one go through the kernel: ties break like ``torch.argmax``."""
     logits = torch.zeros(4, 2500, device=fused_device)

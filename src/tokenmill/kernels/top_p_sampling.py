@@ -1,19 +1,19 @@
-"""Top-p draws without a sort: draw from the row, keep the token if it lies in the top-p set, else draw again
-above it.
+"""Top-p draws without a sort: draw from the whole row, keep the token if it lies in the top-p set, else
+draw again among the tokens ahead of it.
 
 The top-p set of a row is the shortest prefix of its tokens in descending order (ties in id order) whose
 probability reaches p; a token is in it exactly when the probability of the tokens ahead of it is below p.
-One program per row: a first pass finds the row's maximum and softmax normalizer over the tokens top-k
-keeps; then each round draws a token by Gumbel-max among the tokens that may still be in the set (at or
+One program per row group: a first pass finds each row's maximum and softmax normalizer over the tokens
+top-k keeps; then each round takes the Gumbel-max token among those that may still be in the set (at or
 above the min-p / top-k floor, ahead of the last rejected token), and a second pass sums the probability
-ahead of it. Below p, the token is the sample; otherwise it and every token behind it are out of the set,
-and the next round draws among those ahead of it, with noise of its own.
+ahead of it. Below p, the token is the sample; otherwise it and every token behind it are out of the set.
 
-That is rejection sampling from a superset of the target set, so the token is an exact draw from the
-softmax restricted to the top-p set (and the floor); the first draw lands in the set with probability
-about p, so a row takes ~1.1 rounds on average, each two passes over the row, where sorting it costs
-many. Noise comes from Philox keyed by the row's seed and the round, counted by the token id: a row's
-sample depends on its seed alone. Greedy rows and rows without top-p take their first draw.
+Every round uses the same noise (Philox keyed by the row's seed, counted by the token id, as
+``kernels.sampling`` draws), so the rounds walk up the Gumbel-max winners of shrinking supersets of the
+set until one lies in it: that is the Gumbel-max token of the set itself, an exact sample, and the same
+token the sort-then-draw path gives. A first draw lands in the set with probability about p, so a row
+takes ~1.1 rounds on average, each two passes over the row, where a sort costs many. Greedy rows and rows
+without top-p take their first draw.
 """
 
 import torch
@@ -26,7 +26,6 @@ from tokenmill.kernels.sampling import _exponential_noise
 BLOCK_V = 2048  # columns per tile
 ELEMENTS_PER_TILE = 2048  # narrow rows are batched several to a program, up to about this many elements
 MAX_ROWS_PER_PROGRAM = 64
-ROUND_KEY: tl.constexpr = tl.constexpr(0x5851F42D4C957F2D)  # spreads each round's noise key
 
 
 @triton.jit
@@ -88,10 +87,8 @@ def _top_p_draw_kernel(
     pivot_value = tl.full([rows], float("-inf"), tl.float32)
     pivot_id = tl.zeros([rows], tl.int32) + vocab
     token = tl.zeros([rows], tl.int32)
-    round_ = tl.zeros([rows], tl.int64)
     searching = row_ok
     while tl.max(searching.to(tl.int32), axis=0) > 0:
-        key = seed ^ (round_ * ROUND_KEY)
         best_score = tl.full([rows], float("-inf"), tl.float32)
         drawn = tl.zeros([rows], tl.int32)
         for start in range(0, vocab, block):
@@ -102,7 +99,7 @@ def _top_p_draw_kernel(
             )
             allowed = (cols < vocab)[None, :] & (scaled == scaled) & (scaled >= draw_floor[:, None]) & ahead
             counters = tl.broadcast_to(cols[None, :], [rows, block])
-            bits = tl.randint(tl.broadcast_to(key[:, None], [rows, block]), counters)
+            bits = tl.randint(tl.broadcast_to(seed[:, None], [rows, block]), counters)
             score = tl.where(sampled[:, None], scaled - tl.log(_exponential_noise(bits)), scaled)
             score = tl.where(allowed, score, float("-inf"))
             tile_best, tile_arg = tl.max(
@@ -127,7 +124,6 @@ def _top_p_draw_kernel(
         searching = checking & (mass_ahead >= needed)
         pivot_value = tl.where(searching, value, pivot_value)
         pivot_id = tl.where(searching, token, pivot_id)
-        round_ += 1
     tl.store(out_ptr + row, token.to(tl.int64), mask=row_ok)
 
 
