@@ -7,10 +7,11 @@ than the context, ...) ends with one clear line on stderr and a non-zero exit st
 """
 
 import argparse
+import functools
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from tokenmill.benchmarks.arguments import BENCHMARK_ARGUMENTS
@@ -52,6 +53,17 @@ BENCHMARKS = {
 # The command line's own temperature: milder than SamplingParams' (and OpenAI's) 1.0, for text that reads
 # well in a terminal from a small model; the server and LLM.generate keep 1.0.
 CLI_TEMPERATURE = 0.7
+CLI_MAX_TOKENS = 256
+# The sampling flags a model's generation config may set (EngineConfig.generation_config) where they are
+# not given, with the command line's defaults where it does not.
+_GENERATION_CONFIG_FLAGS: dict[str, Any] = {
+    "max_tokens": CLI_MAX_TOKENS,
+    "temperature": CLI_TEMPERATURE,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,37 +85,33 @@ def add_engine_arguments(parser: argparse.ArgumentParser, one_sequence: bool = F
         action.help = "sequences running at once (default: 1 for this command, which runs one at a time)"
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
-    group = parser.add_argument_group("sampling")
-    group.add_argument(
-        "--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default: {max_tokens})"
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "sampling",
+        "--max-tokens, --temperature, --top-p, --top-k, --min-p and --repetition-penalty, where left out, "
+        "take the model's generation config's values (see --generation-config), else the defaults below",
     )
+    group.add_argument("--max-tokens", type=int, help=f"most tokens to generate (default: {CLI_MAX_TOKENS})")
     group.add_argument(
         "--temperature",
         type=float,
-        default=CLI_TEMPERATURE,
         help="0 is greedy, higher is more random (default: 0.7 on the command line, for readable text "
         "from a small model; LLM.generate and the server default to 1.0, as OpenAI does)",
     )
     group.add_argument(
         "--top-p",
         type=float,
-        default=1.0,
         help="keep the most likely tokens up to this total probability (default: 1.0, off)",
     )
-    group.add_argument(
-        "--top-k", type=int, default=0, help="keep only the K most likely tokens (default: 0, off)"
-    )
+    group.add_argument("--top-k", type=int, help="keep only the K most likely tokens (default: 0, off)")
     group.add_argument(
         "--min-p",
         type=float,
-        default=0.0,
         help="drop tokens less likely than this share of the most likely one's probability (default: 0, off)",
     )
     group.add_argument(
         "--repetition-penalty",
         type=float,
-        default=1.0,
         help="divide the scores of tokens already in the prompt or output by this (HF; default: 1.0, off)",
     )
     group.add_argument(
@@ -129,14 +137,18 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int = 25
     )
 
 
-def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
+def sampling_params_from(
+    args: argparse.Namespace, model_defaults: Mapping[str, Any] | None = None
+) -> SamplingParams:
+    """The sampling flags as SamplingParams; ``model_defaults``: the engine's ``sampling_defaults`` (the
+    model's generation config), for the flags left out."""
+    model_defaults = model_defaults or {}
+    chosen = {
+        name: getattr(args, name) if getattr(args, name) is not None else model_defaults.get(name, default)
+        for name, default in _GENERATION_CONFIG_FLAGS.items()
+    }
     return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
+        **chosen,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
@@ -258,7 +270,7 @@ def run_command(args: argparse.Namespace) -> int:
         from tokenmill.cli_commands import run_serve
 
         return run_serve(args, config)
-    params = sampling_params_from(args)
+    sampling_params_from(args)  # checked before loading; the model's defaults are known after
     text_prompt = args.command == "chat" or args.prompt is not None
     if args.command == "generate" and args.prompt is None and args.prompt_token_ids is None:
         raise ValueError("give a prompt, or --prompt-token-ids")
@@ -267,9 +279,10 @@ def run_command(args: argparse.Namespace) -> int:
     check_before_loading(config, args.command, has_text_prompt=text_prompt)
     from tokenmill.cli_commands import run_chat, run_generate
 
+    params_for = functools.partial(sampling_params_from, args)
     if args.command == "chat":
-        return run_chat(config, params, args.system)
-    return run_generate(config, params, args.prompt if args.prompt is not None else args.prompt_token_ids)
+        return run_chat(config, params_for, args.system)
+    return run_generate(config, params_for, args.prompt if args.prompt is not None else args.prompt_token_ids)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,7 +3,8 @@
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -27,15 +28,21 @@ def stream(engine: LLMEngine, request_id: str, prompt: str | Sequence[int], para
     return "".join(pieces)
 
 
-def run_generate(config: EngineConfig, params: SamplingParams, prompt: str | list[int]) -> int:
-    stream(LLMEngine(config), "generate", prompt, params)
+# The sampling flags as SamplingParams, given the model's defaults (the engine's ``sampling_defaults``).
+ParamsFor = Callable[[Mapping[str, Any]], SamplingParams]
+
+
+def run_generate(config: EngineConfig, params_for: ParamsFor, prompt: str | list[int]) -> int:
+    engine = LLMEngine(config)
+    stream(engine, "generate", prompt, params_for(engine.sampling_defaults))
     return 0
 
 
-def run_chat(config: EngineConfig, params: SamplingParams, system: str | None) -> int:
+def run_chat(config: EngineConfig, params_for: ParamsFor, system: str | None) -> int:
     """A conversation read line by line from stdin. At a terminal it prompts (``you>``, ``assistant>``)
     and explains itself; with piped input it prints the replies alone, one after the other."""
     engine = LLMEngine(config)
+    params = params_for(engine.sampling_defaults)
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise TokenmillError("this model has no tokenizer, so it cannot chat (add --tokenizer)")

@@ -14,6 +14,7 @@ from tokenmill.config_checks import (
     require_at_least_one,
     require_choice,
     require_consistent_groups,
+    require_generation_config,
     require_types,
 )
 from tokenmill.config_speculative import SpeculativeConfig, speculative_options
@@ -280,6 +281,10 @@ class EngineConfig:
     # Fill the grammar masks of a step's constrained rows in the background as soon as the previous step's
     # tokens are known, off the host's critical path (tokenmill.structured.bitmask).
     structured_masks_ahead: bool = True
+    # Default sampling parameters (tokenmill.generation_config): "auto" the model's generation_config.json,
+    # "vllm" none, or a folder holding one; override_generation_config's fields go on top.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
@@ -296,6 +301,7 @@ class EngineConfig:
         require_choice(
             "structured_output_backend", self.structured_output_backend, ("llguidance", "xgrammar")
         )
+        require_generation_config(self.generation_config, self.override_generation_config)
         require_consistent_groups(self)
 
     def with_options(self, **options: Any) -> "EngineConfig":

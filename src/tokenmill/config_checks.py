@@ -7,6 +7,8 @@ import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from tokenmill.generation_config import SAMPLING_FIELDS, field_problem, option_problem
+
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
 
@@ -22,6 +24,22 @@ def require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 
 def require_at_least_one(name: str, value: int | None) -> None:
     require(value is None or value >= 1, name, "at least 1", value)
+
+
+def require_generation_config(option: str, override: object) -> None:
+    """``generation_config`` names a source of defaults; ``override_generation_config`` holds sampling
+    fields of the generation config with values of their type and range."""
+    problem = option_problem(option)
+    requirement = "'auto', 'vllm' or a folder holding generation_config.json"
+    require(problem is None, "generation_config", f"{requirement} ({problem})", option)
+    if not isinstance(override, dict):
+        require(override is None, "override_generation_config", "a dict or None", override)
+        return
+    known = ", ".join(sorted(SAMPLING_FIELDS))
+    for key, value in override.items():
+        require(key in SAMPLING_FIELDS, "override_generation_config", f"keyed by {known}", key)
+        problem = field_problem(key, value)
+        require(problem is None, f"override_generation_config[{key!r}]", f"{problem} (or None)", value)
 
 
 def require_consistent_groups(config: "EngineConfig") -> None:

@@ -48,17 +48,23 @@ def add_engine_config_arguments(
 
 def parse_speculative_config(text: str) -> dict[str, Any]:
     """``--speculative-config``'s JSON object, its keys checked (no torch needed)."""
+    value = parse_json_object(text)
+    try:
+        options = speculative_options(value)
+        EngineConfig().with_options(**options)
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A dict-valued setting's flag: a JSON object (its keys are checked by EngineConfig)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    try:
-        options = speculative_options(value)
-        EngineConfig().with_options(**options)
-    except (ValueError, TypeError) as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
     return value
 
 
@@ -111,4 +117,6 @@ def _without_none(annotation: Any) -> Any:
 def _parser_for(kind: Any) -> Callable[[str], Any]:
     if kind in (int, float, str):
         return typing.cast(Callable[[str], Any], kind)
+    if typing.get_origin(kind) is dict:
+        return parse_json_object
     raise TypeError(f"EngineConfig has a field of type {kind!r} that no command-line flag can express")

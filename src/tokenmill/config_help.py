@@ -39,6 +39,11 @@ OPTION_HELP: dict[str, str] = {
     "host_threads": "torch's CPU threads in the engine's process; unset: 1 on a GPU unless OMP_NUM_THREADS "
     "is set (idle OpenMP threads spinning at their barriers slow the host's work, llguidance's masks "
     "among it), torch's default on cpu",
+    "generation_config": "default sampling parameters (temperature, top_p, top_k, min_p, "
+    "repetition_penalty, max_new_tokens as max_tokens) from a generation_config.json: auto reads the "
+    "model folder's, vllm none (the built-in defaults), or a folder holding one; a request's own values win",
+    "override_generation_config": "generation-config fields over the file's, a JSON object, e.g. "
+    '\'{"temperature": 0.5, "max_new_tokens": 128}\' (null removes a default)',
     # the KV cache
     "kv_cache": "none recomputes everything every step; contiguous reserves max_model_len slots per "
     "sequence; paged takes blocks from a shared pool as sequences grow",

@@ -41,6 +41,12 @@ class LLM:
             raise TokenmillError("this model was loaded without a tokenizer")
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters ``generate`` and ``chat`` use when given none: SamplingParams' defaults
+        with the model's generation config over them (``generation_config``, ``override_generation_config``;
+        "vllm" leaves SamplingParams' own)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -49,13 +55,15 @@ class LLM:
         use_tqdm: bool = False,
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in the order given. ``priority`` (one for all prompts, or one
-        per prompt; lower is served first) needs ``scheduling_policy="priority"``. A prompt dict may carry
-        a ``cache_salt`` (vLLM's): it shares prefix-cache blocks only with prompts of the same salt."""
+        """One ``RequestOutput`` per prompt, in the order given; ``sampling_params`` None takes
+        :meth:`get_default_sampling_params`. ``priority`` (one for all prompts, or one per prompt; lower is
+        served first) needs ``scheduling_policy="priority"``. A prompt dict may carry a ``cache_salt``
+        (vLLM's): it shares prefix-cache blocks only with prompts of the same salt."""
         if not isinstance(prompts, str | Mapping | Iterable):
             raise TokenmillError(f"prompts must be a prompt or a list of prompts, got {prompts!r}")
         prompt_list = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
-        params_list = _params_per_prompt(sampling_params, len(prompt_list))
+        given = self.get_default_sampling_params() if sampling_params is None else sampling_params
+        params_list = _params_per_prompt(given, len(prompt_list))
         priorities = _priority_per_prompt(priority, len(prompt_list))
         outputs: dict[str, RequestOutput] = {}
         try:
@@ -132,11 +140,7 @@ def _split_prompt(prompt: Prompt) -> tuple[str | None, str | list[int]]:
     )
 
 
-def _params_per_prompt(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
-) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * count
     if not isinstance(params, Sequence) or not all(isinstance(p, SamplingParams) for p in params):

@@ -37,6 +37,7 @@ from tokenmill.engine.runner_setup import build_runner
 from tokenmill.engine.startup_report import StartupTimes, describe_startup
 from tokenmill.engine.stop_strings import StopStringDetokenizer
 from tokenmill.engine.warm_start import WarmStartReport, warm_up_waves
+from tokenmill.generation_config import sampling_defaults
 from tokenmill.loading import LoadedModel
 from tokenmill.loading.loader import load_model_for
 from tokenmill.outputs import RequestDelta, RowLogprobs
@@ -90,6 +91,7 @@ class LLMEngine:
             torch.set_num_threads(self.config.host_threads)
         self._check_token_budget()
         self.eos_token_ids = self._eos_token_ids()
+        self.sampling_defaults = sampling_defaults(config, self.loaded.generation_config, self.loaded.source)
         self.structured_outputs = StructuredOutputs(
             config.structured_output_backend,
             self.tokenizer,

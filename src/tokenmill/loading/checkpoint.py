@@ -34,6 +34,10 @@ class Checkpoint(ABC):
     def tokenizer(self) -> "Tokenizer | None":
         """The tokenizer that ships with the checkpoint, if any."""
 
+    def generation_config(self) -> dict[str, Any]:
+        """The checkpoint's ``generation_config.json`` as a dict; {} where it has none."""
+        return {}
+
     def eos_token_ids(self) -> tuple[int, ...]:
         """End-of-sequence ids beyond the config's (e.g. from ``generation_config.json``)."""
         return ()

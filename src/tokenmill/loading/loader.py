@@ -4,7 +4,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +51,7 @@ class LoadedModel:
     load_seconds: float
     quantization: str = "none"  # the method the model was built with (``auto`` decided)
     max_positions: int = 0  # the positions its rotary tables were built for (``max_model_len``); 0: all
+    generation_config: dict[str, Any] = field(default_factory=dict)  # the checkpoint's file; {}: none
 
     def position_limit(self) -> int:
         """How many positions this model can serve: its config's, or fewer where it was loaded for fewer."""
@@ -92,6 +93,7 @@ def load_model(
     # The named tokenizer first: a wrong name fails before the weights are loaded.
     own_tokenizer: Tokenizer | None = None if tokenizer is None else load_tokenizer(tokenizer)
     extra_eos: tuple[int, ...] = ()
+    generation_config: dict[str, Any] = {}
     if quantization == "auto":
         quantization = "gguf" if packs_by_default(source, device, torch_dtype) else "none"
     if isinstance(source, DummySource):
@@ -111,6 +113,7 @@ def load_model(
         net = build_model(config, device, torch_dtype, max_model_len, quant)
         load_checkpoint_weights(net, source)
         extra_eos, name = source.eos_token_ids(), str(source.path)
+        generation_config = source.generation_config()
         if own_tokenizer is None:
             own_tokenizer = source.tokenizer()
     if tokenizer is not None and own_tokenizer is not None:
@@ -119,7 +122,17 @@ def load_model(
     seconds = time.perf_counter() - start
     net = net.eval()
     return LoadedModel(
-        net, config, own_tokenizer, eos, name, device, torch_dtype, seconds, quant.method, max_model_len or 0
+        net,
+        config,
+        own_tokenizer,
+        eos,
+        name,
+        device,
+        torch_dtype,
+        seconds,
+        quant.method,
+        max_model_len or 0,
+        generation_config,
     )
 
 

@@ -10,6 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.generation_config import read_generation_config
 from tokenmill.loading.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
@@ -80,11 +81,11 @@ class SafetensorsCheckpoint(Checkpoint):
 
         return Tokenizer.from_pretrained(self.path)
 
+    def generation_config(self) -> dict[str, Any]:
+        return read_generation_config(self.path)
+
     def eos_token_ids(self) -> tuple[int, ...]:
-        file = self.path / "generation_config.json"
-        if not file.is_file():
-            return ()
-        eos = read_json(file).get("eos_token_id")
+        eos = self.generation_config().get("eos_token_id")
         if eos is None:
             return ()
         return tuple(eos) if isinstance(eos, list) else (int(eos),)

@@ -83,7 +83,7 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = context(request)
     ctx.check_model(body.model)
-    params = chat_params(body)
+    params = chat_params(body, ctx.facts.sampling_defaults)
     constraint = structured_outputs_of(body, tool_choice_constraint(body))
     params = await constrained(ctx.grammars, params, constraint)
     options = _options(body)

@@ -38,7 +38,12 @@ from tokenmill.server.responses import (
     streaming_response,
     usage_info,
 )
-from tokenmill.server.sampling import check_sequence_count, completion_params, make_params
+from tokenmill.server.sampling import (
+    check_sequence_count,
+    completion_params,
+    default_or_max_tokens,
+    make_params,
+)
 from tokenmill.server.structured import constrained, structured_outputs_of
 
 router = APIRouter()
@@ -65,7 +70,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     ctx = context(request)
     ctx.check_model(body.model)
     prompts = normalise_prompts(body.prompt)
-    params = completion_params(body, len(prompts))
+    params = completion_params(body, len(prompts), ctx.facts.sampling_defaults)
     params = await constrained(ctx.grammars, params, structured_outputs_of(body))
     special = None if body.add_special_tokens else False
     engine_prompts = await ctx.run_text_work(
@@ -251,7 +256,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     asked += ["stream"] if body.stream else []  # its answer is one JSON object
     if asked:
         raise bad_request(f"'{asked[0]}' is not supported on /generate; use /v1/completions", asked[0])
-    params = make_params(body, max_tokens=body.max_tokens)
+    defaults = ctx.facts.sampling_defaults
+    params = make_params(body, defaults, max_tokens=default_or_max_tokens(body, defaults))
     params = await constrained(ctx.grammars, params, structured_outputs_of(body))
     prompt = await ctx.run_text_work(lambda: engine_prompt(ctx, body.prompt, None, None))
     generation = await ctx.start([prompt], params, request, body.priority, body.cache_salt)

@@ -182,6 +182,7 @@ def engine_facts(engine: LLMEngine, with_tokenizer: bool = True) -> EngineFacts:
         eos_token_ids=tuple(sorted(engine.eos_token_ids)),
         structured_output_backend=engine.config.structured_output_backend,
         tokenizer=engine.tokenizer if with_tokenizer else None,
+        sampling_defaults=dict(engine.sampling_defaults),
     )
 
 

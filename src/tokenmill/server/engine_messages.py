@@ -62,6 +62,7 @@ class EngineFacts:
     eos_token_ids: tuple[int, ...]
     structured_output_backend: str
     tokenizer: Tokenizer | None
+    sampling_defaults: dict[str, Any]  # the generation config's, by SamplingParams' names
 
 
 # -- the HTTP side to the engine process --------------------------------------------------------------

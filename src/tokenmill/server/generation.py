@@ -135,11 +135,15 @@ class ServerContext:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> "Generation":
-        """Admit and queue the prompts; returns once the engine has accepted all of them."""
+        """Admit and queue the prompts; returns once the engine has accepted all of them. ``params``'
+        ``max_tokens`` None (the request gave none) takes the generation config's default for each prompt
+        (see :meth:`fit_default_max_tokens`)."""
         self._check_capacity(len(prompts) * params.n)
         base = f"req-{next(self._ids)}"
         specs = [
-            PromptSpec(f"{base}-{i}", prompt, params, priority, cache_salt)
+            PromptSpec(
+                f"{base}-{i}", prompt, self.fit_default_max_tokens(params, prompt), priority, cache_salt
+            )
             for i, prompt in enumerate(prompts)
         ]
         generation = Generation(
@@ -155,6 +159,18 @@ class ServerContext:
             generation.close()
             raise
         return generation
+
+    def fit_default_max_tokens(self, params: SamplingParams, prompt: str | list[int]) -> SamplingParams:
+        """``params`` with ``max_tokens`` None given the generation config's ``max_new_tokens``, at most
+        what the context leaves after ``prompt`` (and at least ``min_tokens``); unchanged without a
+        default, or where the prompt leaves no room (the engine refuses it with its own message)."""
+        default = self.facts.sampling_defaults.get("max_tokens")
+        if params.max_tokens is not None or default is None:
+            return params
+        room = self.max_model_len - len(prompt) if isinstance(prompt, list) else default
+        if room < 1:
+            return params
+        return dataclasses.replace(params, max_tokens=max(min(default, room), params.min_tokens))
 
     def _check_capacity(self, num_sequences: int) -> None:
         if not self.engine_loop.is_healthy:

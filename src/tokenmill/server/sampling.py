@@ -1,11 +1,18 @@
 """From request bodies to ``SamplingParams``: OpenAI names and defaults in, validated engine params out."""
 
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenmill.server.errors import APIError, bad_request
-from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingRequest,
+)
 from tokenmill.server.request_checks import check_request
 
 # Sequences (prompts × n) one request may ask for: enough for batch clients, not a way to flood the engine.
@@ -21,10 +28,16 @@ _OPTIONAL_FIELDS = (
     "repetition_penalty",
 )
 
+NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # as int() reads, less the spaces, "+" and "_" it also takes
 
 
-def completion_params(body: CompletionRequest, num_prompts: int) -> SamplingParams:
+def completion_params(
+    body: CompletionRequest, num_prompts: int, defaults: Mapping[str, Any] = NO_DEFAULTS
+) -> SamplingParams:
+    """A completion request's ``SamplingParams``. ``defaults``: the generation config's (the engine's
+    ``sampling_defaults``, by SamplingParams' names), for the fields the body leaves out (the same in
+    :func:`chat_params` and :func:`make_params`)."""
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -33,12 +46,23 @@ def completion_params(body: CompletionRequest, num_prompts: int) -> SamplingPara
     echoed = body.logprobs if body.echo else None
     wanted = [count for count in (echoed, body.prompt_logprobs) if count is not None]
     prompt_logprobs = max(wanted) if wanted else None
+    max_tokens = default_or_max_tokens(body, defaults)
     return make_params(
-        body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
+        body, defaults, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
     )
 
 
-def chat_params(body: ChatCompletionRequest) -> SamplingParams:
+def default_or_max_tokens(
+    body: CompletionRequest | GenerateRequest, defaults: Mapping[str, Any]
+) -> int | None:
+    """The ``max_tokens`` of a body whose field defaults to 16: None where the body leaves it out and the
+    generation config has a default (``ServerContext.start`` fits that default to each prompt)."""
+    if "max_tokens" not in body.model_fields_set and "max_tokens" in defaults:
+        return None
+    return body.max_tokens
+
+
+def chat_params(body: ChatCompletionRequest, defaults: Mapping[str, Any] = NO_DEFAULTS) -> SamplingParams:
     check_sequence_count(body.n, 1)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
@@ -48,7 +72,9 @@ def chat_params(body: ChatCompletionRequest) -> SamplingParams:
         )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return make_params(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
+    return make_params(
+        body, defaults, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs
+    )
 
 
 def check_sequence_count(n: int, num_prompts: int) -> None:
@@ -60,11 +86,16 @@ def check_sequence_count(n: int, num_prompts: int) -> None:
         )
 
 
-def make_params(body: SamplingRequest, **fields: Any) -> SamplingParams:
-    """``SamplingParams`` from the body's shared fields plus ``fields``; a bad value is a 400 naming it."""
+def make_params(
+    body: SamplingRequest, defaults: Mapping[str, Any] = NO_DEFAULTS, **fields: Any
+) -> SamplingParams:
+    """``SamplingParams`` from the body's shared fields (those it leaves out from ``defaults``, else
+    SamplingParams' own) plus ``fields``; a bad value is a 400 naming it."""
     check_request(body)
     for name in _OPTIONAL_FIELDS:
         value = getattr(body, name)
+        if value is None:
+            value = defaults.get(name)
         if value is not None:
             fields[name] = value
     fields.update(
