@@ -72,8 +72,10 @@ def main(model: str | None, batch: int, rounds: int, max_tokens: int) -> None:
             for kind, params in kinds:
                 rates.setdefault((name, kind), []).append(rate(llm, prompts, params))
     label = model or "the default model (SmolLM2-135M, packed Q4_1)"
-    print(f"- workload: {label}, batch {batch}, {max_tokens} tokens out (EOS ignored), {rounds} rounds, best of each")
-    print("\n| draw | greedy tok/s | temperature 1.0 | top-p 0.9 | each / greedy |\n| --- | --- | --- | --- | --- |")
+    print(f"- workload: {label}, batch {batch}, {max_tokens} tokens out (EOS ignored), {rounds} rounds")
+    print("- figures: the best round of each\n")
+    print("| draw | greedy tok/s | temperature 1.0 | top-p 0.9 | each / greedy |")
+    print("| --- | --- | --- | --- | --- |")
     for name in engines:
         g, s, p = (max(rates[(name, kind)]) for kind, _ in kinds)
         print(f"| {name} | {g:.1f} | {s:.1f} | {p:.1f} | {s / g:.2f} / {p / g:.2f} |")
