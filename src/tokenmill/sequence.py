@@ -7,7 +7,10 @@ scheduler, the KV cache and the runner handle alone, and the engine gathers thei
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from tokenmill.bad_words import BadWordIds, completing_tokens
 from tokenmill.outputs import RowLogprobs, SpecDecodeCounts
@@ -74,6 +77,12 @@ class Sequence:
     def num_prompt_logprobs(self) -> int:
         """Prompt positions whose next-token logprob is known."""
         return len(self.prompt_logprobs)
+
+    @cached_property
+    def prompt_id_array(self) -> np.ndarray:
+        """The prompt's ids as an int64 array, made once: a sampling step with repetition penalties reads
+        every prompt id of its rows, and converting the list each step cost milliseconds a step."""
+        return np.asarray(self.prompt_token_ids, dtype=np.int64)
 
     @property
     def num_prompt_tokens(self) -> int:

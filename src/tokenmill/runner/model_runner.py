@@ -240,7 +240,7 @@ class ModelRunner:
         seqs = [chunk.seq for chunk in chunks]
         outputs = [seq.output_token_ids for seq in seqs]
         rows = [
-            SamplingRow(seq.params, seq.prompt_token_ids, output, seq.banned_token_ids(output))
+            SamplingRow(seq.params, seq.prompt_id_array, output, seq.banned_token_ids(output))
             for seq, output in zip(seqs, outputs, strict=True)
         ]
         grammars = [seq.grammar for seq in seqs]

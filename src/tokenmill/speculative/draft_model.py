@@ -147,7 +147,7 @@ class DraftModelProposer(Proposer):
         chunks = [ScheduledChunk(shadow, shadow.num_computed_tokens, shadow.num_tokens) for shadow in shadows]
         logits = self.runner.logits(chunks)
         rows = [
-            SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.banned_token_ids())
+            SamplingRow(s.params, s.prompt_id_array, s.output_token_ids, s.banned_token_ids())
             for s in shadows
         ]
         batch = SamplingBatch.build(rows, self.vocab_size, logits.device)

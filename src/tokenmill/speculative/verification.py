@@ -24,7 +24,7 @@ def verification_rows(seq: Seq, num_drafts: int) -> list[SamplingRow]:
     output = seq.output_token_ids
     drafts = seq.draft_tokens[:num_drafts]
     outputs = [output + drafts[:i] for i in range(num_drafts + 1)]  # the output before each row's token
-    return [SamplingRow(seq.params, seq.prompt_token_ids, out, seq.banned_token_ids(out)) for out in outputs]
+    return [SamplingRow(seq.params, seq.prompt_id_array, out, seq.banned_token_ids(out)) for out in outputs]
 
 
 def verify_step(
