@@ -11,9 +11,9 @@ ahead of it. Below p, the token is the sample; otherwise it and every token behi
 Every round uses the same noise (Philox keyed by the row's seed, counted by the token id, as
 ``kernels.sampling`` draws), so the rounds walk up the Gumbel-max winners of shrinking supersets of the
 set until one lies in it: that is the Gumbel-max token of the set itself, an exact sample, and the same
-token the sort-then-draw path gives. A first draw lands in the set with probability about p, so a row
-takes ~1.1 rounds on average, each two passes over the row, where a sort costs many. Greedy rows and rows
-without top-p take their first draw.
+token the sort-then-draw path gives (up to float32 rounding of the cumulative probability at the cut).
+A first draw lands in the set with probability about p, so a row takes ~1.1 rounds on average, each two
+passes over the row, where a sort costs many. Greedy rows and rows without top-p take their first draw.
 """
 
 import torch

@@ -22,7 +22,8 @@ def fused_draw(logits: torch.Tensor, batch: SamplingBatch, draw: DrawParams) -> 
     """The Triton draw. The kernel scales and filters the raw logits itself, given each row's floor
     ``max(k-th largest, max + T log min_p) / T`` (the PyTorch filters' thresholds, rounded alike). With
     top-p, a kernel that rejects draws outside the top-p set (``kernels.top_p_sampling``), or for a few
-    rows the sorting PyTorch filter, then the draw: the same token either way, from the same noise."""
+    rows the sorting PyTorch filter, then the draw: the same token either way, from the same noise (up to
+    rounding at the top-p cut)."""
     if batch.any_top_p and len(logits) >= TOP_P_KERNEL_MIN_ROWS:
         mass_floor, draw_floor = logit_floors(logits, batch, draw)
         return top_p_draw(
