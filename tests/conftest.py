@@ -140,3 +140,19 @@ def tiny_llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama-engine")
     save_tiny_model("llama3", folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def genconfig_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny text model's folder with the generation_config.json of ``generation_config_files.FILE``."""
+    from generation_config_files import FILE, write_generation_config
+    from tiny_tokenizers import save_tiny_text_model
+
+    return write_generation_config(save_tiny_text_model(tmp_path_factory.mktemp("genconfig")), FILE)
+
+
+@pytest.fixture(scope="session")
+def genconfig_model(genconfig_folder: Path):  # type: ignore[no-untyped-def]
+    from tokenmill.loading import load_model
+
+    return load_model(genconfig_folder, dtype="float32")

@@ -13,8 +13,7 @@ import pytest
 
 from cli_helpers import run_cli
 from engine_helpers import llm_for, run_to_completion
-from generation_config_files import FILE, FROM_FILE, PLAIN_GREEDY, write_generation_config
-from tiny_tokenizers import save_tiny_text_model
+from generation_config_files import FROM_FILE, PLAIN_GREEDY, write_generation_config
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ModelLoadError
@@ -26,18 +25,8 @@ OPTIONS: dict[str, Any] = {"max_model_len": 128}
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_generation_config(save_tiny_text_model(tmp_path_factory.mktemp("genconfig")), FILE)
-
-
-@pytest.fixture(scope="module")
-def model(folder: Path) -> LoadedModel:
-    return load_model(folder, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def llm(model: LoadedModel) -> LLM:
-    return llm_for(model, **OPTIONS)
+def llm(genconfig_model: LoadedModel) -> LLM:
+    return llm_for(genconfig_model, **OPTIONS)
 
 
 def token_ids(llm: LLM, params: SamplingParams | None = None, prompt: str = PROMPT) -> list[int]:
@@ -77,39 +66,43 @@ def test_explicit_params_are_used_as_they_are(llm: LLM) -> None:
     assert chatted == engine_token_ids(llm, PLAIN_GREEDY, template)
 
 
-def test_vllm_turns_the_defaults_off(model: LoadedModel) -> None:
-    llm = llm_for(model, generation_config="vllm", **OPTIONS)
+def test_vllm_turns_the_defaults_off(genconfig_model: LoadedModel) -> None:
+    llm = llm_for(genconfig_model, generation_config="vllm", **OPTIONS)
     assert llm.get_default_sampling_params() == SamplingParams()
     assert len(token_ids(llm)) == SamplingParams().max_tokens
 
 
-def test_the_override_wins_over_the_file(model: LoadedModel) -> None:
+def test_the_override_wins_over_the_file(genconfig_model: LoadedModel) -> None:
     override = {"max_new_tokens": 3, "repetition_penalty": None, "top_k": 2}
-    llm = llm_for(model, override_generation_config=override, **OPTIONS)
+    llm = llm_for(genconfig_model, override_generation_config=override, **OPTIONS)
     expected = SamplingParams(temperature=0.0, top_p=0.9, top_k=2, min_p=0.05, max_tokens=3)
     assert llm.get_default_sampling_params() == expected
     assert token_ids(llm) == token_ids(llm, PLAIN_GREEDY)[:3]
-    alone = llm_for(model, generation_config="vllm", override_generation_config={"temperature": 0}, **OPTIONS)
+    alone = llm_for(
+        genconfig_model, generation_config="vllm", override_generation_config={"temperature": 0}, **OPTIONS
+    )
     assert alone.get_default_sampling_params() == SamplingParams(temperature=0)
 
 
-def test_a_folder_names_another_generation_config(model: LoadedModel, tmp_path: Path) -> None:
+def test_a_folder_names_another_generation_config(genconfig_model: LoadedModel, tmp_path: Path) -> None:
     other = write_generation_config(tmp_path / "other", {"temperature": 0.5, "top_k": 3, "max_length": 9})
-    llm = llm_for(model, generation_config=str(other), **OPTIONS)
+    llm = llm_for(genconfig_model, generation_config=str(other), **OPTIONS)
     assert llm.get_default_sampling_params() == SamplingParams(temperature=0.5, top_k=3)
 
 
-def test_the_defaults_are_logged_at_start(model: LoadedModel, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_defaults_are_logged_at_start(
+    genconfig_model: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, logger="tokenmill.generation_config"):
-        llm_for(model, **OPTIONS)
+        llm_for(genconfig_model, **OPTIONS)
     assert "default sampling parameters" in caplog.text and "'repetition_penalty': 1.5" in caplog.text
 
 
-def test_dummy_weights_and_gguf_files_have_no_generation_config(folder: Path) -> None:
+def test_dummy_weights_and_gguf_files_have_no_generation_config(genconfig_folder: Path) -> None:
     from tokenmill.loading.default_model import default_model_path
     from tokenmill.loading.gguf_checkpoint import GGUFCheckpoint
 
-    assert load_model(folder, load_format="dummy").generation_config == {}  # beside its config.json
+    assert load_model(genconfig_folder, load_format="dummy").generation_config == {}  # beside its config.json
     assert GGUFCheckpoint(default_model_path()).generation_config() == {}
 
 
@@ -154,13 +147,15 @@ def test_a_folder_without_the_file_is_refused(tmp_path: Path) -> None:
         EngineConfig(generation_config=str(tmp_path))
 
 
-def test_a_bad_value_in_the_file_is_refused_at_start(model: LoadedModel, tmp_path: Path) -> None:
+def test_a_bad_value_in_the_file_is_refused_at_start(genconfig_model: LoadedModel, tmp_path: Path) -> None:
     bad = write_generation_config(tmp_path / "bad", {"top_p": 1.5})
     with pytest.raises(
         ModelLoadError, match=r"bad/generation_config.json: top_p must be a number in \(0, 1\]"
     ):
-        llm_for(model, generation_config=str(bad), **OPTIONS)
-    fixed = llm_for(model, generation_config=str(bad), override_generation_config={"top_p": 0.5}, **OPTIONS)
+        llm_for(genconfig_model, generation_config=str(bad), **OPTIONS)
+    fixed = llm_for(
+        genconfig_model, generation_config=str(bad), override_generation_config={"top_p": 0.5}, **OPTIONS
+    )
     assert fixed.get_default_sampling_params() == SamplingParams(top_p=0.5)
 
 
@@ -181,15 +176,17 @@ def test_bad_flags_are_refused_before_loading(flags: list[str], message: str) ->
     assert "imported: nothing heavy" in result.stderr
 
 
-def test_generate_takes_the_defaults_for_the_flags_left_out(llm: LLM, folder: Path) -> None:
-    result = run_cli("generate", PROMPT, "--model", str(folder), "--device", "cpu", "--max-model-len", "128")
+def test_generate_takes_the_defaults_for_the_flags_left_out(llm: LLM, genconfig_folder: Path) -> None:
+    result = run_cli(
+        "generate", PROMPT, "--model", str(genconfig_folder), "--device", "cpu", "--max-model-len", "128"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == llm.generate(PROMPT, FROM_FILE)[0].outputs[0].text + "\n"
     given = run_cli(
         "generate",
         PROMPT,
         "--model",
-        str(folder),
+        str(genconfig_folder),
         "--device",
         "cpu",
         "--max-tokens",

@@ -14,11 +14,10 @@ import openai
 import pytest
 
 from engine_helpers import engine_for, llm_for
-from generation_config_files import FILE, FROM_FILE, PLAIN_GREEDY, write_generation_config
-from tiny_tokenizers import save_tiny_text_model
+from generation_config_files import FROM_FILE, PLAIN_GREEDY
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
-from tokenmill.loading import LoadedModel, load_model
+from tokenmill.loading import LoadedModel
 from tokenmill.server import EngineClient, ServerSettings, ServerThread, create_app
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.server.sampling import chat_params, completion_params
@@ -32,24 +31,14 @@ DEFAULTS |= {"max_tokens": 8}
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_generation_config(save_tiny_text_model(tmp_path_factory.mktemp("genconfig-server")), FILE)
-
-
-@pytest.fixture(scope="module")
-def model(folder: Path) -> LoadedModel:
-    return load_model(folder, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def offline(model: LoadedModel) -> LLM:
+def offline(genconfig_model: LoadedModel) -> LLM:
     """The reference: the same model without defaults, given the parameters explicitly."""
-    return llm_for(model, generation_config="vllm", max_model_len=MAX_MODEL_LEN)
+    return llm_for(genconfig_model, generation_config="vllm", max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
-def server(model: LoadedModel) -> Iterator[ServerThread]:
-    engine = engine_for(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+def server(genconfig_model: LoadedModel) -> Iterator[ServerThread]:
+    engine = engine_for(genconfig_model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
     with ServerThread(create_app(engine, ServerSettings(served_model_name=MODEL))) as thread:
         yield thread
 
@@ -135,8 +124,10 @@ def test_request_params_take_the_defaults_for_the_fields_left_out() -> None:
     assert (plain.max_tokens, plain.temperature, plain.top_p) == (16, 1.0, 1.0)
 
 
-def test_the_defaults_reach_a_server_whose_engine_runs_in_its_own_process(folder: Path, offline: LLM) -> None:
-    options = {"model": str(folder), "device": "cpu", "dtype": "float32", "cpu_kv_cache_gib": 0.25}
+def test_the_defaults_reach_a_server_whose_engine_runs_in_its_own_process(
+    genconfig_folder: Path, offline: LLM
+) -> None:
+    options = {"model": str(genconfig_folder), "device": "cpu", "dtype": "float32", "cpu_kv_cache_gib": 0.25}
     engine = EngineClient.launch(EngineConfig().with_options(**options, max_model_len=MAX_MODEL_LEN))
     assert engine.facts.sampling_defaults == DEFAULTS
     with ServerThread(create_app(engine, ServerSettings(served_model_name=MODEL))) as thread:
