@@ -1,0 +1,62 @@
+"""Exploration for issue 18: does rounding fp8 W8A8 inputs with a scale per group of input columns (as
+block-scaled fp8 recipes do: 1 x 128 for activations) instead of one per token bring Gemma 3 270M's W8A8
+agreement up? Loads the model with per-channel fp8 weights rounded at load and the W8A8 emulation on,
+and scores the teacher-forced text of `tokenmill bench accuracy` with each input rounding.
+
+    python scripts/experiments/quantization_activation_groups.py gemma3-270m 4096
+"""
+
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+import tokenmill.quantization.per_channel as per_channel
+from tokenmill.benchmarks.accuracy.measure import score_text
+from tokenmill.benchmarks.accuracy.text import evaluation_text
+from tokenmill.loading import load_model
+from tokenmill.quantization.config import QuantizationConfig
+from tokenmill.quantization.rounding import FP8_MAX
+
+RoundFn = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+
+
+def rounded_in_groups(group: int) -> RoundFn:
+    """W8A8 input rounding with one e4m3 scale per ``group`` input columns of each token."""
+
+    def rounding(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+        scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        rounded = (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype).float()
+        return (rounded * scale).reshape(x.shape).to(x.dtype)
+
+    return rounding
+
+
+def main(model_name: str, num_tokens: int) -> None:
+    torch.set_num_threads(2)
+    reference_model = load_model(model_name, device="cpu", dtype="float32", quantization="none")
+    assert reference_model.tokenizer is not None
+    tokens = reference_model.tokenizer.encode(evaluation_text())[:num_tokens]
+    reference = score_text(reference_model.model, tokens, 1024)
+    print(f"float32: perplexity {reference.perplexity:.3f}", flush=True)
+    del reference_model
+    w8a8 = QuantizationConfig("fp8", dynamic_activations=True)
+    quantized = load_model(model_name, device="cpu", dtype="float32", quantization=w8a8)
+    variants: list[tuple[str, RoundFn]] = [("per token", per_channel.fake_quantize_per_token)]
+    variants += [(f"groups of {group}", rounded_in_groups(group)) for group in (128, 64, 32)]
+    for label, rounding in variants:
+        per_channel.fake_quantize_per_token = rounding  # what the W8A8 emulation calls
+        started = time.time()
+        scored = score_text(quantized.model, tokens, 1024)
+        change = scored.perplexity / reference.perplexity - 1
+        print(
+            f"{label}: perplexity {scored.perplexity:.3f} ({change:+.2%}), top-1 agreement "
+            f"{scored.agreement(reference):.1%} ({time.time() - started:.0f} s)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
