@@ -125,6 +125,29 @@ def test_both_backends_refuse_a_schema_they_would_not_enforce(
         backend.compile(StructuredOutputsParams(json=schema).spec())
 
 
+def test_a_string_length_beside_a_pattern_is_enforced_or_refused(
+    backend: GrammarBackend, token_texts: list[str]
+) -> None:
+    """xgrammar drops minLength / maxLength beside a pattern (it let a 7-letter code through ``maxLength:
+    6``): refused there. llguidance keeps to both: after 2 letters the string may not close, after 6 no
+    token may add a letter."""
+    schema = {"type": "string", "minLength": 3, "maxLength": 6, "pattern": "^[A-Z]+$"}
+    spec = StructuredOutputsParams(json=schema).spec()
+    if backend.name == "xgrammar":
+        with pytest.raises(GrammarCompileError, match=r"\['maxLength', 'minLength'\] beside a 'pattern'"):
+            backend.compile(spec)
+        return
+    matcher = backend.compile(spec).matcher()
+    quote = token_texts.index('"')
+    assert matcher.accept_token(quote)
+    for count, letter in enumerate("ABCDEF", start=1):
+        assert matcher.accept_token(token_texts.index(letter))
+        mask = allowed(backend, matcher)
+        assert (quote in mask) == (count >= 3), f"after {count} letters"
+        adds_a_letter = {t for t in mask if token_texts[t][:1].isupper()}
+        assert bool(adds_a_letter) == (count < 6), f"after {count} letters: {sorted(adds_a_letter)[:5]}"
+
+
 def test_a_regex_allows_exactly_the_prefixes_of_its_strings(
     backend: GrammarBackend, token_texts: list[str], smollm2
 ) -> None:  # type: ignore[no-untyped-def]

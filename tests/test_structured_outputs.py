@@ -27,7 +27,8 @@ BACKENDS = ("llguidance", "xgrammar")
 SEEDS = (0, 1, 2)
 LARGE_VOCAB_SEEDS = SEEDS[:2]
 TEMPERATURE = 0.7
-UNSUPPORTED = {"xgrammar": {"allof"}}  # refused by that backend (it would not enforce allOf)
+# Refused by that backend: it would not enforce allOf, nor a string's length beside its pattern.
+UNSUPPORTED = {"xgrammar": {"allof", "code"}}
 
 
 @pytest.fixture(scope="module", params=[(m, b) for m in MODELS for b in BACKENDS], ids="-".join)
@@ -112,7 +113,7 @@ def backend_of(llm: LLM) -> str:
 
 def test_every_sampled_output_parses_and_validates(llm: LLM) -> None:
     found = cases(llm, backend_of(llm))
-    assert len(found) >= 35
+    assert len(found) >= 34  # 36 constraints, less those a backend refuses
     seeds = SEEDS if llm.engine.model_config.vocab_size < 100_000 else LARGE_VOCAB_SEEDS
     params = [
         SamplingParams(temperature=TEMPERATURE, seed=seed, max_tokens=96, structured_outputs=constraint)

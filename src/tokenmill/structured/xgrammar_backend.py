@@ -7,7 +7,9 @@ allows nothing but EOS ends there without sampling it, as with llguidance.
 
 xgrammar 0.2.8 compiles ``allOf`` into a grammar that lets invalid JSON through (wrong types, or any
 value at all), so schemas using it are refused here with a message that points to llguidance, rather
-than served with outputs that do not validate. Its regex digit and word classes are ASCII-only, where
+than served with outputs that do not validate; so are ``not``, ``uniqueItems`` and the other keywords of
+``UNSUPPORTED_KEYWORDS``, which it compiles without enforcing, and a string length beside a pattern. Its
+regex digit and word classes are ASCII-only, where
 llguidance's (like Python's ``re``) also take other Unicode digits and letters.
 """
 
@@ -115,6 +117,7 @@ class XGrammarBackend(GrammarBackend):
                     "structured_output_backend='llguidance'"
                 )
             _check_required_properties_allowed(schema)
+            _check_no_length_beside_pattern(schema)
             return compiler.compile_json_schema(
                 spec.source,
                 any_whitespace=spec.any_whitespace,
@@ -167,6 +170,18 @@ def _keywords(schema: Any) -> Iterator[str]:
     """Every keyword of a JSON schema and its subschemas."""
     for subschema in _subschemas(schema):
         yield from subschema
+
+
+def _check_no_length_beside_pattern(schema: Any) -> None:
+    """xgrammar 0.2.9 drops ``minLength`` / ``maxLength`` where a string also has a ``pattern`` (it warns on
+    its log and lets any length through), so such schemas are refused here; llguidance enforces both."""
+    for subschema in _subschemas(schema):
+        lengths = sorted({"minLength", "maxLength"}.intersection(subschema))
+        if "pattern" in subschema and lengths:
+            raise ValueError(
+                f"the xgrammar backend does not enforce {lengths} beside a 'pattern'; serve this schema "
+                "with structured_output_backend='llguidance'"
+            )
 
 
 def _check_required_properties_allowed(schema: Any) -> None:
