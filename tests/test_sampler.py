@@ -725,6 +725,28 @@ def test_top_p_kernel_draws_what_sorting_then_drawing_draws(
     assert len(set(drawn["kernel"])) > 6
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_largest_token(
+    fused_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """top_p = 1e-50 passes validation but is 0 in float32: every path keeps the largest token (no empty
+    set, no kernel round that repeats forever), and a fully masked row ends too."""
+    from tokenmill.kernels.top_p_sampling import top_p_draw
+    from tokenmill.runner.sampler import fused
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3)).to(fused_device)
+    rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=1e-50, seed=seed)) for seed in range(4)]
+    assert sample(logits.cpu(), rows).token_ids.tolist() == logits.argmax(dim=-1).tolist()
+    for min_rows in (1, 10**9):  # the kernel, then the sorting path
+        monkeypatch.setattr(fused, "TOP_P_KERNEL_MIN_ROWS", min_rows)
+        assert sample(logits, rows, fused=True).token_ids.tolist() == logits.argmax(dim=-1).tolist()
+    masked = torch.full((1, 300), float("-inf"), device=fused_device)
+    one = torch.ones(1, device=fused_device)
+    floor = torch.full((1,), float("-inf"), device=fused_device)
+    seeds = torch.zeros(1, dtype=torch.int64, device=fused_device)
+    greedy = torch.zeros(1, dtype=torch.bool, device=fused_device)
+    assert top_p_draw(masked, one, greedy, seeds, one * 0.5, floor, floor).tolist() == [0]
+
+
 def test_fused_greedy_ties_go_to_the_lowest_id(fused_device: torch.device) -> None:
     """Greedy rows beside a sampled one go through the kernel: ties break like ``torch.argmax``."""
     logits = torch.zeros(4, 2500, device=fused_device)

@@ -108,7 +108,7 @@ def _top_p_draw_kernel(
             better = tile_best > best_score  # strict: an earlier tile keeps its ties
             drawn = tl.where(better, start + tile_arg, drawn)
             best_score = tl.where(better, tile_best, best_score)
-        token = tl.where(searching, drawn, token)
+        token = tl.where(searching & (best_score > float("-inf")), drawn, token)
         value = tl.math.div_rn(tl.load(row_ptrs + token).to(tl.float32), temperature)
         checking = searching & sampled & (top_p < 1.0)
         mass_ahead = tl.zeros([rows], tl.float32)
@@ -121,7 +121,9 @@ def _top_p_draw_kernel(
                 )
                 counted = (cols < vocab)[None, :] & (scaled >= mass_floor[:, None]) & ahead_of_token
                 mass_ahead += tl.sum(tl.where(counted, tl.exp(scaled - largest[:, None]), 0.0), axis=1)
-        searching = checking & (mass_ahead >= needed)
+        # A row with nothing left to draw keeps its last token (the largest, where top-p rounds to 0 in
+        # float32; a fully masked row, token 0): no round may repeat forever.
+        searching = checking & (mass_ahead >= needed) & (best_score > float("-inf"))
         pivot_value = tl.where(searching, value, pivot_value)
         pivot_id = tl.where(searching, token, pivot_id)
     tl.store(out_ptr + row, token.to(tl.int64), mask=row_ok)

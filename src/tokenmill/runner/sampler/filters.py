@@ -50,7 +50,8 @@ def filter_sorted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         sorted_logits.masked_fill_(sorted_logits < kth_largest, -math.inf)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1).sub_(probs)
-    sorted_logits.masked_fill_(mass_before >= draw.top_p.unsqueeze(1), -math.inf)
+    # the largest token always stays, however small p is (a p that rounds to 0 in float32)
+    sorted_logits[:, 1:].masked_fill_(mass_before[:, 1:] >= draw.top_p.unsqueeze(1), -math.inf)
     if batch.any_min_p:
         threshold = _min_p_threshold(sorted_logits[:, :1], draw)
         sorted_logits.masked_fill_(sorted_logits < threshold, -math.inf)
@@ -88,7 +89,7 @@ def _top_p_cut(
     """``[B, 1]`` each: how many of a row's ``descending`` logits top-p keeps, and the last kept one."""
     probs = (descending - normalizer).exp_()
     mass_before = probs.cumsum(dim=-1).sub_(probs)
-    kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)
+    kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_min_(1)  # the largest stays
     return kept, descending.gather(1, kept - 1)
 
 
