@@ -534,6 +534,21 @@ def test_cpu_top_p_keeps_what_a_naive_sorted_sum_keeps(
     assert int(torch.isfinite(apply_top_k_top_p_min_p(scaled, batch))[0, 300:340].sum()) == 40
 
 
+def test_cpu_top_p_at_a_cold_temperature() -> None:
+    """Scaled logits near 3,000 (logits near 30 at temperature 0.01): the CPU's top-p takes probabilities
+    as softmax does, from the row's largest logit; exp(x - logsumexp) rounds each one by ulp(3,000)."""
+    logits = torch.randn(16, 5000, generator=torch.Generator().manual_seed(3)) * 0.05 + 30
+    params = SamplingParams(temperature=0.01, top_p=0.9999)
+    batch = SamplingBatch.build([SamplingRow(params)] * 16, 5000, torch.device("cpu"))
+    scaled = logits / 0.01
+    for kept in (apply_top_k_top_p_min_p(scaled, batch), filter_sorted(scaled, batch)):
+        for row in range(16):
+            reference = _naive_top_p_masses(scaled[row].tolist(), params)
+            for token, (mass, _) in enumerate(reference):
+                if abs(mass - params.top_p) > MASS_TOLERANCE:
+                    assert bool(kept[row, token].isfinite()) == (mass < params.top_p), (row, token, mass)
+
+
 def test_filter_paths_agree_bitwise(device: torch.device) -> None:
     """A top-k / min-p row gets the same filtered logits whether or not a top-p row forces a sort."""
     logits = torch.randn(2, 3000, generator=torch.Generator().manual_seed(6)).to(device)

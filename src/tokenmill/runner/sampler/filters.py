@@ -62,7 +62,10 @@ def _top_p_from_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.T
     """Top-p as :func:`filter_sorted` applies it (the shortest prefix of the row in descending order,
     ties in id order, whose probability reaches p), found among each row's largest logits
     (``_TOP_P_CANDIDATES``); only rows whose cut lies past those are sorted whole. A host sync: CPU only."""
-    normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    # As softmax: exp(x - max) / sum. exp(x - logsumexp) would lose ulp(x) of each probability to the
+    # subtraction, 1e-4 of the mass at logits near 1,000 (a cold temperature), enough to move the cut.
+    row_max = logits.amax(dim=-1, keepdim=True)
+    normalizer = (row_max, (logits - row_max).exp_().sum(dim=-1, keepdim=True).reciprocal_())
     enabled = (top_p <= 1.0).unsqueeze(1)
     vocab = logits.shape[1]
     width = min(_TOP_P_CANDIDATES[0], vocab)
@@ -73,7 +76,8 @@ def _top_p_from_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.T
             break
         rows = logits[deeper]
         largest = rows.sort(dim=-1, descending=True).values if wider == vocab else rows.topk(wider).values
-        kept[deeper], last_kept[deeper] = _top_p_cut(largest, normalizer[deeper], top_p[deeper])
+        row_normalizer = (normalizer[0][deeper], normalizer[1][deeper])
+        kept[deeper], last_kept[deeper] = _top_p_cut(largest, row_normalizer, top_p[deeper])
         width = wider
     keep = logits > last_kept
     tied = logits == last_kept
@@ -84,10 +88,12 @@ def _top_p_from_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.T
 
 
 def _top_p_cut(
-    descending: torch.Tensor, normalizer: torch.Tensor, top_p: torch.Tensor
+    descending: torch.Tensor, normalizer: tuple[torch.Tensor, torch.Tensor], top_p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, 1]`` each: how many of a row's ``descending`` logits top-p keeps, and the last kept one."""
-    probs = (descending - normalizer).exp_()
+    """``[B, 1]`` each: how many of a row's ``descending`` logits top-p keeps, and the last kept one.
+    ``normalizer``: each row's largest logit and 1 / sum(exp(logit - largest)), ``[B, 1]`` each."""
+    row_max, inverse_sum = normalizer
+    probs = (descending - row_max).exp_().mul_(inverse_sum)
     mass_before = probs.cumsum(dim=-1).sub_(probs)
     kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_min_(1)  # the largest stays
     return kept, descending.gather(1, kept - 1)
