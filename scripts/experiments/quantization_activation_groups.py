@@ -7,14 +7,12 @@ and scores the teacher-forced text of `tokenmill bench accuracy` with each input
 """
 
 import sys
-import time
 from collections.abc import Callable
 
 import torch
+from quantization_granularity import float_reference, print_scored
 
 import tokenmill.quantization.per_channel as per_channel
-from tokenmill.benchmarks.accuracy.measure import score_text
-from tokenmill.benchmarks.accuracy.text import evaluation_text
 from tokenmill.loading import load_model
 from tokenmill.quantization.config import QuantizationConfig
 from tokenmill.quantization.rounding import FP8_MAX
@@ -35,12 +33,7 @@ def rounded_in_groups(group: int) -> RoundFn:
 
 
 def main(model_name: str, num_tokens: int) -> None:
-    torch.set_num_threads(2)
-    reference_model = load_model(model_name, device="cpu", dtype="float32", quantization="none")
-    assert reference_model.tokenizer is not None
-    tokens = reference_model.tokenizer.encode(evaluation_text())[:num_tokens]
-    reference = score_text(reference_model.model, tokens, 1024)
-    print(f"float32: perplexity {reference.perplexity:.3f}", flush=True)
+    reference_model, tokens, reference = float_reference(model_name, num_tokens)
     del reference_model
     w8a8 = QuantizationConfig("fp8", dynamic_activations=True)
     quantized = load_model(model_name, device="cpu", dtype="float32", quantization=w8a8)
@@ -48,14 +41,7 @@ def main(model_name: str, num_tokens: int) -> None:
     variants += [(f"groups of {group}", rounded_in_groups(group)) for group in (128, 64, 32)]
     for label, rounding in variants:
         per_channel.fake_quantize_per_token = rounding  # what the W8A8 emulation calls
-        started = time.time()
-        scored = score_text(quantized.model, tokens, 1024)
-        change = scored.perplexity / reference.perplexity - 1
-        print(
-            f"{label}: perplexity {scored.perplexity:.3f} ({change:+.2%}), top-1 agreement "
-            f"{scored.agreement(reference):.1%} ({time.time() - started:.0f} s)",
-            flush=True,
-        )
+        print_scored(label, quantized.model, tokens, reference)
 
 
 if __name__ == "__main__":

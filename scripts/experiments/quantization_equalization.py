@@ -19,10 +19,9 @@ weight's magnitude or the row's absolute max; r2: column j's absolute max in the
 """
 
 import sys
-import time
 
 import torch
-from quantization_granularity import rounded_in_groups
+from quantization_granularity import print_scored, rounded_in_groups
 
 from tokenmill.benchmarks.accuracy.measure import score_text
 from tokenmill.benchmarks.accuracy.text import evaluation_text
@@ -111,14 +110,7 @@ def main(model_name: str, num_tokens: int, kind: str = "int8") -> None:
         for name, parameter in loaded.model.named_parameters():
             if parameter.dim() == 2 and "embed" not in name:
                 parameter.data.copy_(rounded_in_groups(parameter.data, parameter.shape[1], kind))
-        started = time.time()
-        scored = score_text(loaded.model, tokens, 1024)
-        change = scored.perplexity / base.perplexity - 1
-        print(
-            f"{kind} per-channel, equalization {variant}: perplexity {scored.perplexity:.3f} "
-            f"({change:+.2%}), top-1 agreement {scored.agreement(base):.1%} ({time.time() - started:.0f} s)",
-            flush=True,
-        )
+        print_scored(f"{kind} per-channel, equalization {variant}", loaded.model, tokens, base)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 
 from tokenmill.benchmarks.accuracy.measure import Scored, score_text
 from tokenmill.benchmarks.accuracy.text import evaluation_text
-from tokenmill.loading import load_model
+from tokenmill.loading import LoadedModel, load_model
 from tokenmill.quantization.rounding import FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks
 
 
@@ -62,13 +62,32 @@ VARIANTS: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = [
 ]
 
 
-def main(model_name: str, num_tokens: int, only: str = "") -> None:
+def print_scored(label: str, model: torch.nn.Module, tokens: list[int], base: Scored) -> None:
+    """Score ``tokens`` teacher-forced (windows of 1,024) and print perplexity and top-1 agreement against
+    ``base``, the float model's score."""
+    started = time.time()
+    scored = score_text(model, tokens, 1024)
+    change = scored.perplexity / base.perplexity - 1
+    print(
+        f"{label}: perplexity {scored.perplexity:.3f} ({change:+.2%}), top-1 agreement "
+        f"{scored.agreement(base):.1%} ({time.time() - started:.0f} s)",
+        flush=True,
+    )
+
+
+def float_reference(model_name: str, num_tokens: int) -> tuple[LoadedModel, list[int], Scored]:
+    """The float32 model, the first ``num_tokens`` of the evaluation text, and the model's score on them."""
     torch.set_num_threads(2)
     loaded = load_model(model_name, device="cpu", dtype="float32", quantization="none")
     assert loaded.tokenizer is not None
     tokens = loaded.tokenizer.encode(evaluation_text())[:num_tokens]
     base = score_text(loaded.model, tokens, 1024)
     print(f"float32: perplexity {base.perplexity:.3f}", flush=True)
+    return loaded, tokens, base
+
+
+def main(model_name: str, num_tokens: int, only: str = "") -> None:
+    loaded, tokens, base = float_reference(model_name, num_tokens)
     originals = {
         name: p.detach().clone()
         for name, p in loaded.model.named_parameters()
@@ -80,14 +99,7 @@ def main(model_name: str, num_tokens: int, only: str = "") -> None:
         for name, parameter in loaded.model.named_parameters():
             if name in originals:
                 parameter.data.copy_(rounded(originals[name]))
-        started = time.time()
-        scored: Scored = score_text(loaded.model, tokens, 1024)
-        change = scored.perplexity / base.perplexity - 1
-        print(
-            f"{label}: perplexity {scored.perplexity:.3f} ({change:+.2%}), top-1 agreement "
-            f"{scored.agreement(base):.1%} ({time.time() - started:.0f} s)",
-            flush=True,
-        )
+        print_scored(label, loaded.model, tokens, base)
 
 
 if __name__ == "__main__":
