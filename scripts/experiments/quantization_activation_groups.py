@@ -3,7 +3,10 @@ block-scaled fp8 recipes do: 1 x 128 for activations) instead of one per token b
 agreement up? Loads the model with per-channel fp8 weights rounded at load and the W8A8 emulation on,
 and scores the teacher-forced text of `tokenmill bench accuracy` with each input rounding.
 
-    python scripts/experiments/quantization_activation_groups.py gemma3-270m 4096
+    python scripts/experiments/quantization_activation_groups.py gemma3-270m 4096 [QUANTIZED_FOLDER]
+
+QUANTIZED_FOLDER: a pre-quantized fp8 checkpoint of the same model (e.g. `tokenmill quantize --quantization
+fp8`, GPTQ rounding) to take the weights from instead of rounding them at load.
 """
 
 import sys
@@ -32,11 +35,12 @@ def rounded_in_groups(group: int) -> RoundFn:
     return rounding
 
 
-def main(model_name: str, num_tokens: int) -> None:
+def main(model_name: str, num_tokens: int, quantized_folder: str | None = None) -> None:
     reference_model, tokens, reference = float_reference(model_name, num_tokens)
     del reference_model
     w8a8 = QuantizationConfig("fp8", dynamic_activations=True)
-    quantized = load_model(model_name, device="cpu", dtype="float32", quantization=w8a8)
+    source = quantized_folder or model_name
+    quantized = load_model(source, device="cpu", dtype="float32", quantization=w8a8)
     variants: list[tuple[str, RoundFn]] = [("per token", per_channel.fake_quantize_per_token)]
     variants += [(f"groups of {group}", rounded_in_groups(group)) for group in (128, 64, 32)]
     for label, rounding in variants:
@@ -45,4 +49,4 @@ def main(model_name: str, num_tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])
