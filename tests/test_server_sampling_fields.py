@@ -54,28 +54,10 @@ def chat(client: openai.OpenAI, stream: bool = False, **fields: Any) -> Any:
     return client.chat.completions.create(stream=stream, extra_body=extra, **body)
 
 
-_OPENAI_COMPLETION_FIELDS = {
-    "model",
-    "prompt",
-    "max_tokens",
-    "temperature",
-    "n",
-    "seed",
-    "stop",
-    "logprobs",
-    "echo",
-}
-_OPENAI_CHAT_FIELDS = {
-    "model",
-    "messages",
-    "max_tokens",
-    "temperature",
-    "n",
-    "seed",
-    "stop",
-    "logprobs",
-    "top_logprobs",
-}
+# The fields the openai client takes as keyword arguments (the rest go in ``extra_body``).
+_OPENAI_SHARED_FIELDS = {"model", "max_tokens", "temperature", "n", "seed", "stop", "logprobs"}
+_OPENAI_COMPLETION_FIELDS = _OPENAI_SHARED_FIELDS | {"prompt", "echo"}
+_OPENAI_CHAT_FIELDS = _OPENAI_SHARED_FIELDS | {"messages", "top_logprobs"}
 
 
 def streamed(chunks: Any, chat_route: bool = False) -> dict[int, str]:
